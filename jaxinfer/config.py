@@ -1,0 +1,181 @@
+"""Frozen configs: ModelConfig (from an HF config.json or GGUF metadata) and EngineConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+_HF_ARCH_TO_NAME = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style rope scaling ("llama3"); `linear` is also accepted."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture={self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        archs = d.get("architectures") or []
+        arch = None
+        for a in archs:
+            if a in _HF_ARCH_TO_NAME:
+                arch = _HF_ARCH_TO_NAME[a]
+        if arch is None:
+            model_type = d.get("model_type")
+            if model_type in SUPPORTED_ARCHITECTURES:
+                arch = model_type
+            else:
+                name = archs[0] if archs else model_type
+                raise ValueError(
+                    f"architecture={name!r} is not supported; "
+                    f"supported: {', '.join(_HF_ARCH_TO_NAME)}"
+                )
+        num_heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+        rs = d.get("rope_scaling") or (d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else None)
+        rope_scaling = None
+        rope_theta = d.get("rope_theta")
+        if isinstance(d.get("rope_parameters"), dict) and rope_theta is None:
+            rope_theta = d["rope_parameters"].get("rope_theta")
+        if rs:
+            rtype = rs.get("rope_type") or rs.get("type")
+            if rtype in ("llama3", "linear"):
+                rope_scaling = RopeScaling(
+                    rope_type=rtype,
+                    factor=float(rs.get("factor", 1.0)),
+                    low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+                    high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+                    original_max_position_embeddings=int(
+                        rs.get("original_max_position_embeddings", 8192)),
+                )
+            elif rtype not in (None, "default"):
+                raise ValueError(f"rope_scaling type {rtype!r} is not supported")
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        sliding = d.get("sliding_window") if d.get("use_sliding_window", arch == "mistral") else None
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ValueError(f"model directory {str(path)!r} has no config.json")
+        with open(cfg_path) as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{cfg_path!r} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(d)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings. Frozen: it is passed to jitted functions as a static argument."""
+
+    page_size: int = 16
+    num_pages: int | None = None  # None: derived from kv_memory_fraction
+    kv_memory_fraction: float = 0.5  # of free device memory (CPU: free RAM) after weights
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    dtype: str = "float32"  # activations/weights compute dtype: float32 | bfloat16
+    kv_cache_dtype: str | None = None  # None: same as dtype
+    attention_backend: str = "auto"  # auto | xla | pallas
+    enable_prefix_caching: bool = True
+    scheduling: str = "continuous"  # continuous | static
+    quantization: str | None = None  # None | int8 | int4
+    load_format: str = "auto"  # auto | dummy
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size} must be a positive power of two")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages} must be at least 2 (page 0 is reserved)")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be positive")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+        if self.attention_backend not in ("auto", "xla", "pallas"):
+            raise ValueError(f"attention_backend={self.attention_backend!r} must be auto, xla or pallas")
+        if self.scheduling not in ("continuous", "static"):
+            raise ValueError(f"scheduling={self.scheduling!r} must be continuous or static")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization={self.quantization!r} must be None, int8 or int4")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r} must be auto or dummy")
