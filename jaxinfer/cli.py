@@ -1,0 +1,129 @@
+"""The `jaxinfer` command: generate, serve, batch (and the quantization tools)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from --kv-memory-fraction)")
+    g.add_argument("--kv-memory-fraction", type=float, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--attention-backend", default=None, choices=["auto", "xla", "pallas"])
+    g.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--scheduling", default=None, choices=["continuous", "static"])
+    g.add_argument("--load-format", default=None, choices=["auto", "dummy"])
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    keys = ["page_size", "num_pages", "kv_memory_fraction", "max_num_seqs", "max_num_batched_tokens",
+            "max_model_len", "dtype", "attention_backend", "quantization", "scheduling", "load_format"]
+    kw = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    if getattr(args, "no_prefix_caching", False):
+        kw["enable_prefix_caching"] = False
+    return kw
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxinfer import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+    )
+    llm = LLM(args.model, **engine_kwargs(args))
+    prompts = args.prompt or ["Hello, my name is"]
+    if args.chat:
+        for prompt in prompts:
+            for piece in llm.stream(llm.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True), params):
+                print(piece, end="", flush=True)
+            print()
+    else:
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            print(out.prompt + out.outputs[0].text if out.prompt else out.outputs[0].text)
+    return 0
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from jaxinfer.batch import run_batch
+
+    return run_batch(args.input, args.output, args.model, engine_kwargs(args))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from serve.cli import run_serve
+
+    return run_serve(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference on JAX/XLA")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate text for prompts")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--prompt", action="append", help="may be given several times")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("batch", help="run a JSONL file of requests (OpenAI batch lines or {prompt|messages, ...})")
+    p.add_argument("input")
+    p.add_argument("output")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_batch)
+
+    p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    try:
+        from serve.cli import add_serve_args
+    except ImportError:  # the server package is optional for the other commands
+        add_serve_args = None
+    if add_serve_args is not None:
+        add_serve_args(p)
+    else:
+        p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+        add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"jaxinfer: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

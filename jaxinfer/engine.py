@@ -1,0 +1,148 @@
+"""LLMEngine: add_request / abort / step() -> outputs. The whole loop, readable in one sitting."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Sequence
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine_outputs import OutputProcessor
+from jaxinfer.models.loader import load_model
+from jaxinfer.request import Request, RequestOutput
+from jaxinfer.runtime.kv_cache import kv_cache_bytes_per_page
+from jaxinfer.runtime.runner import ModelRunner, device_memory_bytes_free, kv_dtype_of, param_bytes
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sched.scheduler import Scheduler
+from jaxinfer.sched.step_input import make_step_input
+from jaxinfer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, model: str, *, tokenizer: str | None = None, **engine_kwargs):
+        self.engine_config = EngineConfig(**engine_kwargs)
+        self.model_config, model_module, source = load_model(model, self.engine_config)
+        self.tokenizer = Tokenizer.from_source(tokenizer or source.path, source.gguf_file if tokenizer is None else None)
+        self.max_model_len = self._max_model_len(self.model_config, self.engine_config)
+        self.num_pages = self._num_pages(model_module)
+        self.runner = ModelRunner(self.model_config, self.engine_config, model_module, self.num_pages)
+        del model_module
+        eos_ids = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
+        self.scheduler = Scheduler(self.engine_config, self.num_pages, self.max_model_len, eos_ids)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.num_steps = 0
+        logger.info(
+            "KV cache: %d pages of %d tokens = %d tokens (%.1f MiB)",
+            self.num_pages - 1, self.engine_config.page_size,
+            (self.num_pages - 1) * self.engine_config.page_size,
+            self.num_pages * self._bytes_per_page() / 2**20,
+        )
+
+    # -- sizing -----------------------------------------------------------------------------
+    @staticmethod
+    def _max_model_len(mc: ModelConfig, ec: EngineConfig) -> int:
+        if ec.max_model_len is None:
+            return mc.max_position_embeddings
+        if ec.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={ec.max_model_len} exceeds the model's context "
+                f"({mc.max_position_embeddings})"
+            )
+        return ec.max_model_len
+
+    def _bytes_per_page(self) -> int:
+        return kv_cache_bytes_per_page(self.model_config, self.engine_config.page_size,
+                                       kv_dtype_of(self.engine_config))
+
+    def _num_pages(self, model_module) -> int:
+        ec = self.engine_config
+        if ec.num_pages is not None:
+            return ec.num_pages
+        pages_per_seq = -(-self.max_model_len // ec.page_size)
+        wanted = ec.max_num_seqs * pages_per_seq + 1  # enough that memory, not pages, limits
+        free = device_memory_bytes_free()
+        if free is None:
+            return wanted
+        budget = int(free * ec.kv_memory_fraction)
+        by_memory = max(2, budget // self._bytes_per_page())
+        return int(min(wanted, by_memory))
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            prompt_text, token_ids = None, [int(t) for t in prompt]
+            bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary "
+                    f"[0, {self.model_config.vocab_size})"
+                )
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens long; the context limit is "
+                f"{self.max_model_len} tokens (prompt + at least 1 generated)"
+            )
+        if any(r.request_id == request_id for r in self.scheduler.all_requests()):
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            priority=priority,
+        )
+        self.scheduler.add_request(req)
+        self.outputs.add(req, prompt_text)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+        self.outputs.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return self.outputs.drain_aborted()
+        step_input = make_step_input(sched_out, self.engine_config, self.max_model_len)
+        runner_out = self.runner.execute(step_input)
+        updated = self.scheduler.update(sched_out, runner_out)
+        self.num_steps += 1
+        return self.outputs.process(updated, self.scheduler)
+
+    def warmup(self) -> None:
+        """Compiles every shape bucket now, so no request waits through a compile."""
+        from jaxinfer.sched.step_input import warmup_step_inputs
+
+        t0 = time.perf_counter()
+        for step_input in warmup_step_inputs(self.engine_config, self.max_model_len):
+            self.runner.execute(step_input)
+        logger.info("warm-up: %d executables in %.1f s", self.runner.num_compilations,
+                    time.perf_counter() - t0)
+
+    @property
+    def metrics(self):
+        return dataclasses.replace(
+            self.scheduler.stats(),
+            num_compilations=self.runner.num_compilations,
+        )
+
+    def weight_bytes(self) -> int:
+        return param_bytes(self.runner.state)

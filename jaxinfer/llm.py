@@ -1,0 +1,136 @@
+"""LLM: the Python API (generate / chat / stream), driving an LLMEngine."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from jaxinfer.engine import LLMEngine
+from jaxinfer.request import RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """`LLM(model="smollm2-135m")`; `model` is an HF directory, a .gguf path or a known name.
+
+    Keyword arguments are EngineConfig fields (page_size, num_pages, max_num_seqs, dtype, ...).
+    """
+
+    def __init__(self, model: str, *, tokenizer: str | None = None, warmup: bool = False, **engine_kwargs):
+        self.engine = LLMEngine(model, tokenizer=tokenizer, **engine_kwargs)
+        self._ids = itertools.count()
+        if warmup:
+            self.engine.warmup()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        request_ids = self._add(prompts, params)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields text deltas of one request as they are generated."""
+        (request_id,) = self._add([prompt], [sampling_params or SamplingParams()])
+        sent = 0
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    text = out.outputs[0].text
+                    if len(text) > sent:
+                        yield text[sent:]
+                        sent = len(text)
+                    if out.finished:
+                        return
+        finally:
+            if self.engine.scheduler.get_request(request_id) is not None:
+                self.engine.abort_request(request_id)
+
+    # -- internals --------------------------------------------------------------------------
+    def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+        # Validate everything first, so a bad prompt does not leave half a batch queued.
+        for p in prompts:
+            if isinstance(p, str) and not p:
+                raise ValueError("prompt must not be empty")
+        request_ids = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                rid = f"llm-{next(self._ids)}"
+                self.engine.add_request(rid, prompt, sp)
+                request_ids.append(rid)
+        except Exception:
+            for rid in request_ids:
+                self.engine.abort_request(rid)
+            raise
+        return request_ids
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        bar = tqdm(total=len(request_ids), desc="requests", disable=not use_tqdm, dynamic_ncols=True)
+        num_tokens, t0 = 0, time.perf_counter()
+        try:
+            while len(final) < len(wanted):
+                for out in self.engine.step():
+                    if out.request_id in wanted and out.finished and out.request_id not in final:
+                        final[out.request_id] = out
+                        num_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix(out_tok_s=f"{num_tokens / (time.perf_counter() - t0):.1f}")
+                if not self.engine.has_unfinished_requests() and len(final) < len(wanted):
+                    raise RuntimeError("engine stopped with requests unfinished")
+        except BaseException:
+            for rid in wanted - set(final):
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [final[r] for r in request_ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # one token-id list
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+    return params

@@ -1,0 +1,135 @@
+"""ModelRunner: owns the device state (weights, KV cache) and runs the compiled step."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.runtime.kv_cache import AttentionMetadata, allocate_kv_cache
+from jaxinfer.runtime.sampler import SamplingMetadata
+from jaxinfer.runtime.step import StepBatch, make_jitted_step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RunnerOutput:
+    """Host copies of what the step sampled, one entry per real sampled row."""
+
+    token_ids: np.ndarray  # i32[R]
+    logprobs: np.ndarray  # f32[R]
+    top_token_ids: np.ndarray | None = None  # i32[R, K]
+    top_logprobs: np.ndarray | None = None  # f32[R, K]
+
+
+def resolve_attention_backend(backend: str) -> str:
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return backend
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        model: nnx.Module,
+        num_pages: int,
+    ):
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.num_pages = num_pages
+        self.attention_backend = resolve_attention_backend(engine_config.attention_backend)
+        graphdef, self.state = nnx.split(model)
+        self._step = make_jitted_step(graphdef)
+        kv_dtype = engine_config.kv_cache_dtype or engine_config.dtype
+        self.kv_cache = allocate_kv_cache(model_config, num_pages, engine_config.page_size, kv_dtype)
+        self._seen_signatures: set[tuple] = set()
+        self.num_compilations = 0
+        self.compile_seconds = 0.0
+
+    # -- one step ---------------------------------------------------------------------------
+    def execute(self, step_input) -> RunnerOutput:
+        """Runs one step on a host StepInput (numpy, padded); returns the sampled rows."""
+        num_top = 20 if step_input.num_top_logprobs else 0
+        batch = self._to_device(step_input)
+        signature = _signature(batch, num_top)
+        is_new = signature not in self._seen_signatures
+        t0 = time.perf_counter()
+        out, self.kv_cache = self._step(
+            self.state, self.kv_cache, batch,
+            attention_backend=self.attention_backend, num_top_logprobs=num_top,
+        )
+        host = jax.device_get(out)  # the one device->host transfer of the step
+        if is_new:
+            self._seen_signatures.add(signature)
+            self.num_compilations += 1
+            dt = time.perf_counter() - t0
+            self.compile_seconds += dt
+            logger.info("compiled step for shapes %s in %.1f s", signature, dt)
+        num_rows = step_input.num_rows
+        return RunnerOutput(
+            token_ids=np.asarray(host.token_ids[:num_rows]),
+            logprobs=np.asarray(host.logprobs[:num_rows]),
+            top_token_ids=None if host.top_token_ids is None else np.asarray(host.top_token_ids[:num_rows]),
+            top_logprobs=None if host.top_logprobs is None else np.asarray(host.top_logprobs[:num_rows]),
+        )
+
+    def _to_device(self, si) -> StepBatch:
+        """One host->device transfer of the packed step metadata."""
+        host = StepBatch(
+            input_ids=si.input_ids,
+            positions=si.positions,
+            md=AttentionMetadata(
+                slot_mapping=si.slot_mapping,
+                cu_q_lens=si.cu_q_lens,
+                kv_lens=si.kv_lens,
+                page_indices=si.page_indices,
+                num_seqs=si.num_seqs,
+            ),
+            logits_indices=si.logits_indices,
+            sampling=si.sampling_metadata(),
+        )
+        return jax.device_put(host)
+
+
+def _signature(batch: StepBatch, num_top: int) -> tuple:
+    shapes = tuple(
+        (tuple(x.shape), str(x.dtype)) for x in jax.tree_util.tree_leaves(batch)
+    )
+    structure = jax.tree_util.tree_structure(batch)
+    return (shapes, str(structure), num_top)
+
+
+def device_memory_bytes_free() -> int | None:
+    """Free memory of the default device; on the CPU, available RAM."""
+    dev = jax.devices()[0]
+    try:
+        stats = dev.memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def param_bytes(state: nnx.State) -> int:
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(state) if hasattr(x, "nbytes"))
+
+
+def kv_dtype_of(engine_config: EngineConfig):
+    return jnp.dtype(engine_config.kv_cache_dtype or engine_config.dtype)
