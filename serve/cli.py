@@ -1,0 +1,190 @@
+"""`jaxinfer serve`: build the engine, warm it up behind /health, and run the app under uvicorn.
+
+    parser = argparse.ArgumentParser(); add_serve_args(parser); run_serve(parser.parse_args())
+
+Engine settings come from EngineConfig's defaults, then a TOML preset (`--config FILE`, keys of
+EngineConfig at the top level or under [engine]), then the engine flags given on the command line.
+The JAX persistent compilation cache is on by default (`~/.cache/jaxinfer/jax`), so a second start
+skips the compiles of the first. SIGTERM/SIGINT: admissions stop at once (503), requests in flight
+finish (up to --shutdown-timeout seconds), then the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import logging
+import os
+import sys
+import tomllib
+
+import uvicorn
+
+from serve import DEFAULT_MAX_BODY_BYTES
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+API_KEY_ENV = "JAXINFER_API_KEY"
+
+
+def default_compilation_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxinfer", "jax")
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from jaxinfer.cli import add_engine_args
+
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help="HF checkpoint directory, .gguf file or a known name "
+                             f"(default: {DEFAULT_MODEL})")
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default: 127.0.0.1, this machine only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV} if set)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model argument's name)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's own)")
+    g.add_argument("--config", metavar="FILE", default=None,
+                   help="TOML engine preset (EngineConfig fields); flags given here override it")
+    g.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests waiting for their first token before new ones get 503")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish on SIGTERM")
+    g.add_argument("--compilation-cache-dir", default=default_compilation_cache_dir(),
+                   help="JAX persistent compilation cache (default: %(default)s)")
+    g.add_argument("--no-compilation-cache", action="store_true",
+                   help="do not read or write the persistent compilation cache")
+    g.add_argument("--no-warmup", action="store_true",
+                   help="skip compiling every shape bucket before /health turns 200")
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    add_engine_args(parser)
+
+
+def load_preset(path: str) -> dict:
+    """EngineConfig fields from a TOML file (top level or an [engine] table)."""
+    from jaxinfer.config import EngineConfig
+
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path!r}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path!r} is not valid TOML: {e}") from None
+    table = data.get("engine", data)
+    if not isinstance(table, dict):
+        raise ValueError(f"--config {path!r}: [engine] must be a table")
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(table) - known - {"engine"})
+    if unknown:
+        raise ValueError(f"--config {path!r}: unknown engine settings {unknown}; "
+                         f"known: {sorted(known)}")
+    return {k: v for k, v in table.items() if k in known}
+
+
+def engine_settings(args: argparse.Namespace) -> dict:
+    """Preset (if any) overridden by the engine flags that differ from their defaults."""
+    from jaxinfer.cli import add_engine_args, engine_kwargs
+
+    settings = load_preset(args.config) if getattr(args, "config", None) else {}
+    defaults_parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(defaults_parser)
+    defaults = engine_kwargs(defaults_parser.parse_args([]))
+    given = engine_kwargs(args)
+    for key, value in given.items():
+        if key not in settings or defaults.get(key, object()) != value:
+            settings[key] = value
+    return settings
+
+
+def enable_compilation_cache(path: str) -> None:
+    import jax
+
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # cache every entry
+
+
+def served_name(model: str) -> str:
+    name = os.path.basename(os.path.normpath(model)) if os.path.exists(model) else model
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from jaxinfer.async_engine import AsyncEngine
+    from serve.app import create_app
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not _is_loopback(args.host) and api_key is None:
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it",
+                       args.host)
+    if not args.no_compilation_cache:
+        enable_compilation_cache(args.compilation_cache_dir)
+    settings = engine_settings(args)
+
+    from jaxinfer.engine import LLMEngine
+
+    engine = LLMEngine(args.model, tokenizer=args.tokenizer, **settings)
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, warmup=not args.no_warmup)
+    app = create_app(async_engine, api_key=api_key, max_body_bytes=args.max_body_bytes,
+                     served_model_name=args.served_model_name or served_name(args.model),
+                     shutdown_timeout=args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
+                            access_log=args.access_log, log_level=_uvicorn_log_level(),
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5.0,
+                            timeout_keep_alive=30)
+    server = _UvicornServer(config, async_engine)
+    server.run()
+    return 0
+
+
+def _uvicorn_log_level() -> str:
+    level = logging.getLogger().getEffectiveLevel()
+    return "info" if level <= logging.INFO else "warning"
+
+
+class _UvicornServer(uvicorn.Server):
+    """Stops admissions the moment SIGTERM/SIGINT arrives; uvicorn then drains the connections."""
+
+    def __init__(self, config: uvicorn.Config, async_engine):
+        super().__init__(config)
+        self.async_engine = async_engine
+
+    def handle_exit(self, sig, frame) -> None:
+        self.async_engine.stop_admissions()
+        super().handle_exit(sig, frame)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxinfer serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="INFO")
+    add_serve_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run_serve(args)
+    except ValueError as e:
+        print(f"jaxinfer serve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

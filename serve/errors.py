@@ -1,0 +1,85 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from pydantic import ValidationError
+from starlette.responses import Response
+
+_PARAM_RE = re.compile(r"^\s*(?:logit_bias\[\d+\]|([A-Za-z_][A-Za-z0-9_]*))\s*=")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> Response:
+        headers = {"Retry-After": "1"} if self.status == 503 else None
+        return Response(json.dumps(self.body()), status_code=self.status,
+                        media_type="application/json", headers=headers)
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    """The first pydantic error, naming the top-level field as `param`."""
+    err = e.errors(include_url=False)[0]
+    loc = [p for p in err.get("loc", ()) if isinstance(p, (str, int))]
+    param = str(loc[0]) if loc else None
+    where = ".".join(str(p) for p in loc)
+    message = f"{where}: {err.get('msg', 'invalid value')}" if where else err.get("msg", "invalid")
+    code = "missing_required_parameter" if err.get("type") == "missing" else "invalid_value"
+    return APIError(400, message, param=param, code=code)
+
+
+def from_value_error(e: ValueError, renames: dict[str, str] | None = None) -> APIError:
+    """A ValueError raised as `ValueError(f"{field=} must ...")`: `param` is that field, renamed to
+    the API's name where it differs (e.g. max_tokens -> max_completion_tokens)."""
+    message = str(e)
+    m = _PARAM_RE.match(message)
+    param = None
+    if m:
+        param = m.group(1) or "logit_bias"
+        param = (renames or {}).get(param, param)
+    elif message.startswith("logit_bias"):
+        param = "logit_bias"
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def context_length_error(num_prompt_tokens: int, max_model_len: int,
+                         max_tokens: int | None = None, param: str = "messages") -> APIError:
+    if max_tokens is None:
+        message = (f"This model's maximum context length is {max_model_len} tokens. However, your "
+                   f"prompt is {num_prompt_tokens} tokens, which leaves no room for any output "
+                   "token. Please reduce the length of the prompt.")
+    else:
+        message = (f"This model's maximum context length is {max_model_len} tokens. However, you "
+                   f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                   f"prompt, {max_tokens} in the completion). Please reduce the length of the "
+                   "prompt or of the completion.")
+    return APIError(400, message, param=param, code="context_length_exceeded")
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model",
+                    code="model_not_found")
