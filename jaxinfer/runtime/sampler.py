@@ -1,0 +1,304 @@
+"""On-device sampling, run inside the jitted step, and the speculative-decoding rejection sampler.
+
+Pure `jnp`: every function here is jit-able and has no state. One row per sampled sequence (`R`).
+
+Order of the logit transforms (the same as vLLM v1):
+
+1. raw logprobs = `log_softmax(logits)`: the logprobs returned to users are those of the *raw* model
+   distribution, before the allowed-token mask, bias, penalties, temperature and truncation (vLLM's
+   default "raw_logprobs"). They describe what the model thinks, whatever the request's knobs are.
+2. `adjust_logits`: allowed-token bitmask (-inf outside), sparse logit bias (added), penalties
+   (repetition on prompt + output tokens, then frequency and presence on output tokens).
+3. greedy rows (temperature < `GREEDY_EPS`): exact `argmax` of the adjusted logits (ties: lowest id).
+4. `warp_logits`: divide by the temperature, then min-p, then top-k, then top-p (truncated tokens get
+   -inf). Ties at a top-k/top-p cut-off are all kept.
+5. Gumbel-max on the warped logits with the row's own key
+   `fold_in(key(seed), position)`: a request's token depends only on its seed, its position and its
+   own logits, never on the other rows, the batch size or the static flags.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+
+
+class SamplingMetadata(NamedTuple):
+    """Device arrays, one entry per sampled row. The optional parts are `None` when no row in the
+    batch needs them: the step then compiles without them (a different executable when present)."""
+
+    temperature: jax.Array  # f32[R]  < GREEDY_EPS (0) -> greedy
+    top_k: jax.Array  # i32[R]  <= 0 -> off
+    top_p: jax.Array  # f32[R]  1.0 -> off; in (0, 1]
+    min_p: jax.Array  # f32[R]  0.0 -> off
+    seeds: jax.Array  # u32[R]
+    positions: jax.Array  # i32[R]  position of the token being sampled
+    presence_penalty: jax.Array  # f32[R]  0.0 -> off (OpenAI, on output tokens)
+    frequency_penalty: jax.Array  # f32[R]  0.0 -> off (OpenAI, on output tokens)
+    repetition_penalty: jax.Array  # f32[R]  1.0 -> off (vLLM/CTRL, on prompt + output tokens)
+    prompt_token_ids: jax.Array | None = None  # i32[R, M]  -1 padded; repetition penalty only
+    output_token_ids: jax.Array | None = None  # i32[R, M]  -1 padded; all three penalties
+    bias_token_ids: jax.Array | None = None  # i32[R, B]  -1 padded
+    bias_values: jax.Array | None = None  # f32[R, B]  added to the logits (may be -inf)
+    allowed_token_bitmask: jax.Array | None = None  # i32[R, ceil(V/32)] bit t%32 of word t//32 set
+    #   -> token t allowed (xgrammar's layout); a row with no constraint is all -1 (all bits set)
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: jax.Array  # i32[R]
+    logprobs: jax.Array  # f32[R]  raw-model logprob of the sampled token
+    top_token_ids: jax.Array | None  # i32[R, K]  K = num_top_logprobs, best first; None when K == 0
+    top_logprobs: jax.Array | None  # f32[R, K]
+
+
+def default_sampling_metadata(num_rows: int, **overrides) -> SamplingMetadata:
+    """Greedy, no truncation, no penalties; seeds 0, positions 0. Handy for padding and tests."""
+    fields = dict(
+        temperature=jnp.zeros((num_rows,), jnp.float32),
+        top_k=jnp.zeros((num_rows,), jnp.int32),
+        top_p=jnp.ones((num_rows,), jnp.float32),
+        min_p=jnp.zeros((num_rows,), jnp.float32),
+        seeds=jnp.zeros((num_rows,), jnp.uint32),
+        positions=jnp.zeros((num_rows,), jnp.int32),
+        presence_penalty=jnp.zeros((num_rows,), jnp.float32),
+        frequency_penalty=jnp.zeros((num_rows,), jnp.float32),
+        repetition_penalty=jnp.ones((num_rows,), jnp.float32),
+    )
+    fields.update(overrides)
+    return SamplingMetadata(**fields)
+
+
+def sampler_flags(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> dict[str, bool]:
+    """Host side (numpy): the static flags for `sample`, from the batch's real rows.
+
+    `needs_sort`: some row uses top-k or top-p (the only transforms that sort the vocabulary).
+    `all_greedy`: every row is greedy (no random numbers drawn at all).
+    Splat the result into `sample(..., **flags)`; each combination is one more executable.
+    """
+    temperature = np.asarray(temperature)
+    greedy = temperature < GREEDY_EPS
+    sampled = ~greedy
+    needs_sort = bool(np.any(sampled & ((np.asarray(top_k) > 0) | (np.asarray(top_p) < 1.0))))
+    return {"needs_sort": needs_sort, "all_greedy": bool(np.all(greedy))}
+
+
+def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """Per-row typed PRNG keys: `fold_in(key(seed), position)`. seeds u32[R], positions i32[R]."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+
+
+def _token_counts(token_ids: jax.Array, vocab_size: int) -> jax.Array:
+    """i32[R, M] (-1 padded) -> f32[R, V] occurrence counts. Out-of-range ids are dropped."""
+    num_rows = token_ids.shape[0]
+    ids = jnp.where(token_ids < 0, vocab_size, token_ids)  # -1 would wrap around: send it past V
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], ids.shape)
+    counts = jnp.zeros((num_rows, vocab_size), jnp.float32)
+    return counts.at[rows, ids].add(1.0, mode="drop")
+
+
+def _unpack_bitmask(bitmask: jax.Array, vocab_size: int) -> jax.Array:
+    """i32[R, W] -> bool[R, V]: bit j of word i is token 32 * i + j."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # i32[R, W, 32]
+    bits = bits.reshape(bitmask.shape[0], -1)
+    if bits.shape[1] < vocab_size:
+        raise ValueError(f"{bitmask.shape=} must have at least ceil({vocab_size=} / 32) words")
+    return bits[:, :vocab_size].astype(bool)
+
+
+def adjust_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Allowed-token mask, logit bias, then penalties (vLLM v1's order). f32[R, V] -> f32[R, V].
+
+    Repetition penalty (CTRL / vLLM): for tokens seen in the prompt or the output, a positive logit
+    is divided by the penalty, a negative one multiplied. Then `logit -= frequency * count` and
+    `logit -= presence * (count > 0)` over the output tokens (OpenAI's definition).
+    """
+    num_rows, vocab_size = logits.shape
+    if md.allowed_token_bitmask is not None:
+        allowed = _unpack_bitmask(md.allowed_token_bitmask, vocab_size)
+        logits = jnp.where(allowed, logits, -jnp.inf)
+    if (md.bias_token_ids is None) != (md.bias_values is None):
+        raise ValueError("bias_token_ids and bias_values must be given together")
+    if md.bias_token_ids is not None:
+        ids = jnp.where(md.bias_token_ids < 0, vocab_size, md.bias_token_ids)
+        rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], ids.shape)
+        logits = logits.at[rows, ids].add(md.bias_values.astype(jnp.float32), mode="drop")
+    if md.prompt_token_ids is None and md.output_token_ids is None:
+        return logits
+    seen = jnp.zeros((num_rows, vocab_size), bool)
+    if md.prompt_token_ids is not None:
+        seen = seen | (_token_counts(md.prompt_token_ids, vocab_size) > 0)
+    output_counts = None
+    if md.output_token_ids is not None:
+        output_counts = _token_counts(md.output_token_ids, vocab_size)  # f32[R, V]
+        seen = seen | (output_counts > 0)
+    rep = md.repetition_penalty[:, None]
+    penalised = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(seen, penalised, logits)
+    if output_counts is not None:
+        logits = logits - md.frequency_penalty[:, None] * output_counts
+        logits = logits - md.presence_penalty[:, None] * (output_counts > 0)
+    return logits
+
+
+def _top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """-inf outside the top-k, then outside the smallest top-p nucleus. One sort per row."""
+    vocab_size = x.shape[-1]
+    sorted_x = jnp.flip(jnp.sort(x, axis=-1), axis=-1)  # f32[R, V] descending
+    k = jnp.where(top_k <= 0, vocab_size, jnp.minimum(top_k, vocab_size))  # i32[R]
+    k_cut = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)  # f32[R, 1]
+    in_top_k = jnp.arange(vocab_size)[None, :] < k[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_x, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better tokens
+    num_keep = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)  # i32[R]
+    p_cut = jnp.take_along_axis(sorted_x, (num_keep - 1)[:, None], axis=-1)  # f32[R, 1]
+    p_cut = jnp.where(top_p[:, None] >= 1.0, -jnp.inf, p_cut)
+    cut = jnp.maximum(k_cut, p_cut)
+    return jnp.where(x >= cut, x, -jnp.inf)
+
+
+def warp_logits(logits: jax.Array, md: SamplingMetadata, *, needs_sort: bool = True) -> jax.Array:
+    """Temperature, min-p, top-k, top-p on adjusted logits: f32[R, V] -> f32[R, V], -inf = excluded.
+
+    Greedy rows are left at temperature 1 (their token is the argmax anyway). With
+    `needs_sort=False` top-k and top-p are ignored: the caller promises no row uses them.
+    `softmax(warp_logits(adjust_logits(l, md), md))` is the distribution `sample` draws from
+    (also the target distribution for speculative verification).
+    """
+    greedy = md.temperature < GREEDY_EPS
+    x = logits / jnp.where(greedy, 1.0, md.temperature)[:, None]
+    x_max = jnp.max(x, axis=-1, keepdims=True)
+    x = jnp.where(x >= x_max + jnp.log(md.min_p)[:, None], x, -jnp.inf)  # p >= min_p * p_max
+    if needs_sort:
+        x = _top_k_top_p(x, md.top_k, md.top_p)
+    return x
+
+
+def _check_shapes(logits: jax.Array, md: SamplingMetadata) -> None:
+    if logits.ndim != 2:
+        raise ValueError(f"{logits.shape=} must be [num_rows, vocab_size]")
+    num_rows = logits.shape[0]
+    for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "positions",
+                 "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        shape = getattr(md, name).shape
+        if shape != (num_rows,):
+            raise ValueError(f"md.{name}.shape={shape} must be ({num_rows},) like the logits' rows")
+
+
+def sample(
+    logits: jax.Array,  # f32[R, V] (any float dtype; computed in f32)
+    md: SamplingMetadata,
+    *,
+    num_top_logprobs: int = 0,
+    needs_sort: bool = True,
+    all_greedy: bool = False,
+) -> SamplerOutput:
+    """Sample one token per row. All keyword arguments are static (part of the executable).
+
+    `needs_sort=False` skips the vocabulary sort (top-k / top-p ignored): set it when no row uses
+    them (`sampler_flags`). `all_greedy=True` skips the random draw: every row takes the argmax.
+    Neither flag changes the token of a row that does not use the skipped feature.
+    """
+    _check_shapes(logits, md)
+    vocab_size = logits.shape[1]
+    if not 0 <= num_top_logprobs <= vocab_size:
+        raise ValueError(f"{num_top_logprobs=} must be in [0, {vocab_size=}]")
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)  # f32[R, V]
+    adjusted = adjust_logits(logits, md)
+    greedy_ids = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
+    if all_greedy:
+        token_ids = greedy_ids
+    else:
+        x = warp_logits(adjusted, md, needs_sort=needs_sort)
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab_size,), jnp.float32))(
+            row_keys(md.seeds, md.positions))  # f32[R, V]
+        sampled_ids = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+        token_ids = jnp.where(md.temperature < GREEDY_EPS, greedy_ids, sampled_ids)
+    token_logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
+    top_token_ids = top_logprobs = None
+    if num_top_logprobs:
+        top_logprobs, top_token_ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
+        top_token_ids = top_token_ids.astype(jnp.int32)
+    return SamplerOutput(token_ids, token_logprobs, top_token_ids, top_logprobs)
+
+
+def rejection_sample(
+    target_probs: jax.Array,  # f32[R, k+1, V]  target distribution at each draft position + bonus
+    draft_probs: jax.Array | None,  # f32[R, k, V]  None: deterministic proposals (q one-hot)
+    draft_token_ids: jax.Array,  # i32[R, k]
+    num_draft: jax.Array,  # i32[R]  real drafts per row (<= k); the rest is padding
+    keys: jax.Array,  # key[R]  one typed PRNG key per row (e.g. row_keys(seeds, positions))
+    *,
+    is_greedy: jax.Array | None = None,  # bool[R]  rows verified by exact argmax match
+    target_argmax: jax.Array | None = None,  # i32[R, k+1]  exact argmax of the target logits
+) -> tuple[jax.Array, jax.Array]:
+    """Speculative-decoding verification (Leviathan et al. 2023; Chen et al. 2023).
+
+    Draft token j is accepted with probability min(1, p_j(x) / q_j(x)); the first rejection draws
+    its replacement from normalize(max(0, p_j - q_j)); when all `num_draft` drafts are accepted a
+    bonus token comes from p[num_draft]. The emitted tokens are then distributed exactly as the
+    target. Greedy rows accept while the draft equals the target argmax and then emit that argmax
+    (pass `target_argmax` from the logits for an exact argmax; otherwise argmax of `target_probs`).
+
+    Returns `output_token_ids` i32[R, k+1] (the accepted drafts, then the replacement or bonus
+    token, then -1) and `num_accepted` i32[R] (accepted drafts; the row emits num_accepted + 1).
+    """
+    num_rows, k_plus_1, vocab_size = target_probs.shape
+    k = k_plus_1 - 1
+    if draft_token_ids.shape != (num_rows, k):
+        raise ValueError(f"{draft_token_ids.shape=} must be ({num_rows}, {k}) for {target_probs.shape=}")
+    if draft_probs is not None and draft_probs.shape != (num_rows, k, vocab_size):
+        raise ValueError(f"{draft_probs.shape=} must be ({num_rows}, {k}, {vocab_size})")
+    if num_draft.shape != (num_rows,) or keys.shape != (num_rows,):
+        raise ValueError(f"{num_draft.shape=} and {keys.shape=} must be ({num_rows},)")
+    target_probs = target_probs.astype(jnp.float32)
+    rows = jnp.arange(num_rows)
+    draft_ids = jnp.clip(draft_token_ids, 0, vocab_size - 1)  # padding may be -1
+    valid = jnp.arange(k)[None, :] < num_draft[:, None]  # bool[R, k]
+
+    p_draft = jnp.take_along_axis(target_probs[:, :k], draft_ids[..., None], axis=-1)[..., 0]
+    if draft_probs is None:
+        q_draft = jnp.ones_like(p_draft)
+    else:
+        draft_probs = draft_probs.astype(jnp.float32)
+        q_draft = jnp.take_along_axis(draft_probs, draft_ids[..., None], axis=-1)[..., 0]
+    uniform = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0), (k,)))(keys)
+    accept = uniform * q_draft < p_draft  # u < p / q without dividing by q
+    if is_greedy is not None:
+        if target_argmax is None:
+            target_argmax = jnp.argmax(target_probs, axis=-1)
+        target_argmax = target_argmax.astype(jnp.int32)  # i32[R, k+1]
+        accept = jnp.where(is_greedy[:, None], draft_token_ids == target_argmax[:, :k], accept)
+    accept = accept & valid
+    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # i32[R]
+
+    # The one extra token: replacement at the first rejection, or bonus after all drafts.
+    p_last = target_probs[rows, num_accepted]  # f32[R, V]
+    rejected = num_accepted < num_draft
+    if k > 0:
+        at = jnp.minimum(num_accepted, k - 1)
+        if draft_probs is None:
+            q_last = jax.nn.one_hot(draft_ids[rows, at], vocab_size, dtype=jnp.float32)
+        else:
+            q_last = draft_probs[rows, at]
+        residual = jnp.maximum(p_last - q_last, 0.0)
+        use_residual = rejected & (jnp.sum(residual, axis=-1) > 0)  # 0: p == q up to rounding
+        dist = jnp.where(use_residual[:, None], residual, p_last)
+    else:
+        dist = p_last
+    last = jax.vmap(lambda key, d: jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(d)))(
+        keys, dist).astype(jnp.int32)
+    if is_greedy is not None:
+        last = jnp.where(is_greedy, target_argmax[rows, num_accepted], last)
+
+    positions = jnp.arange(k + 1)[None, :]
+    drafts = jnp.pad(draft_token_ids.astype(jnp.int32), ((0, 0), (0, 1)), constant_values=-1)
+    output_token_ids = jnp.where(
+        positions < num_accepted[:, None], drafts,
+        jnp.where(positions == num_accepted[:, None], last[:, None], -1))
+    return output_token_ids, num_accepted.astype(jnp.int32)
