@@ -9,6 +9,9 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
+_GGUF_ARCHITECTURES = ("llama", "qwen2")  # general.architecture values we read
+_REQUIRED = object()
+
 _HF_ARCH_TO_NAME = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -43,9 +46,12 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # a token sees itself and the sliding_window - 1 before it
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Per-frequency divisors of the rotary inverse frequencies (f32[head_dim // 2]), as GGUF files of
+    # Llama 3.1+ store them (the `rope_freqs` tensor) instead of rope-scaling metadata.
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -61,6 +67,17 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (rotary embedding)")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window={self.sliding_window} must be positive or None")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type not in ("llama3", "linear"):
+            raise ValueError(
+                f"rope_scaling.rope_type={self.rope_scaling.rope_type!r} must be llama3 or linear")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(
+                f"len(rope_freq_factors)={len(self.rope_freq_factors)} must be head_dim // 2 "
+                f"= {self.head_dim // 2}")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -68,6 +85,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """From the dict of an HF config.json (transformers 4 or 5 layout)."""
+        try:
+            return cls._from_hf_dict(d)
+        except KeyError as e:
+            raise ValueError(f"HF config is missing the key {e.args[0]!r}") from None
+
+    @classmethod
+    def _from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         archs = d.get("architectures") or []
         arch = None
         for a in archs:
@@ -83,6 +108,10 @@ class ModelConfig:
                     f"architecture={name!r} is not supported; "
                     f"supported: {', '.join(_HF_ARCH_TO_NAME)}"
                 )
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={d['hidden_act']!r} is not supported (only silu)")
+        if d.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported")
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
         rs = d.get("rope_scaling") or (d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else None)
@@ -106,6 +135,14 @@ class ModelConfig:
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         sliding = d.get("sliding_window") if d.get("use_sliding_window", arch == "mistral") else None
+        layer_types = set(d.get("layer_types") or ())
+        if sliding and layer_types == {"full_attention"}:
+            sliding = None  # Qwen2: no layer past max_window_layers, so none slides
+        if sliding and len(layer_types) > 1:
+            # Qwen2 with use_sliding_window: only the layers past max_window_layers slide.
+            raise ValueError(
+                "a sliding window on only some layers (layer_types mixes full and sliding "
+                "attention) is not supported")
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -137,6 +174,95 @@ class ModelConfig:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{cfg_path!r} is not valid JSON: {e}") from None
         return cls.from_hf_dict(d)
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> "ModelConfig":
+        """From the metadata of a .gguf file (llama and qwen2 architectures)."""
+        from jaxinfer.models.gguf_file import open_gguf  # lazy: gguf is only needed for GGUF
+
+        return cls.from_gguf_reader(open_gguf(path))
+
+    @classmethod
+    def from_gguf_reader(cls, reader) -> "ModelConfig":
+        """From an open `gguf.GGUFReader` (so a loader parses the file once)."""
+        from jaxinfer.models.gguf_file import gguf_field, gguf_tensor_f32
+
+        arch = gguf_field(reader, "general.architecture")
+        if arch not in _GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"architecture={arch!r} is not supported in GGUF files; "
+                f"supported: {', '.join(_GGUF_ARCHITECTURES)}")
+
+        def key(name, default=_REQUIRED):
+            value = gguf_field(reader, f"{arch}.{name}", None)
+            if value is None:
+                if default is _REQUIRED:
+                    raise ValueError(f"GGUF metadata is missing the key {arch}.{name!r}")
+                return default
+            return value
+
+        tensor_names = {t.name for t in reader.tensors}
+        hidden_size = int(key("embedding_length"))
+        num_heads = int(key("attention.head_count"))
+        num_kv_heads = key("attention.head_count_kv", num_heads)
+        if isinstance(num_kv_heads, list):  # per-layer counts (some converters): must agree
+            if len(set(num_kv_heads)) != 1:
+                raise ValueError(f"per-layer head_count_kv={num_kv_heads} is not supported")
+            num_kv_heads = num_kv_heads[0]
+        head_dim = int(key("attention.key_length", hidden_size // num_heads))
+        rotary_dim = int(key("rope.dimension_count", head_dim))
+        if rotary_dim != head_dim:
+            raise ValueError(f"partial rotary embedding ({rotary_dim=}, {head_dim=}) is not supported")
+
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            vocab_size = len(tokens.data)
+        elif key("vocab_size", None) is not None:
+            vocab_size = int(key("vocab_size"))
+        else:
+            embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+            if embd is None:
+                raise ValueError("GGUF file has neither a token list nor token_embd.weight")
+            vocab_size = int(embd.shape[-1])
+
+        rope_scaling = None
+        scaling_type = key("rope.scaling.type", "none")
+        if scaling_type == "linear":
+            rope_scaling = RopeScaling(rope_type="linear", factor=float(key("rope.scaling.factor")))
+        elif scaling_type not in ("none", None):
+            raise ValueError(f"rope scaling type {scaling_type!r} is not supported")
+        rope_freq_factors = None
+        if "rope_freqs.weight" in tensor_names:
+            factors = gguf_tensor_f32(reader, "rope_freqs.weight").reshape(-1)
+            rope_freq_factors = tuple(float(x) for x in factors)
+
+        eos_ids = []
+        for name in ("eos_token_id", "eot_token_id", "eom_token_id"):
+            token_id = gguf_field(reader, f"tokenizer.ggml.{name}", None)
+            if token_id is not None and int(token_id) not in eos_ids:
+                eos_ids.append(int(token_id))
+        bos = gguf_field(reader, "tokenizer.ggml.bos_token_id", None)
+        sliding = key("attention.sliding_window", None)
+        return cls(
+            architecture=arch,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=int(key("feed_forward_length")),
+            num_layers=int(key("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(num_kv_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(key("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=int(bos) if bos is not None else None,
+            eos_token_ids=tuple(eos_ids),
+            rope_freq_factors=rope_freq_factors,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

