@@ -1,0 +1,45 @@
+"""What `Scheduler.schedule()` hands to `make_step_input` and back to `Scheduler.update()`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxinfer.request import Request
+from jaxinfer.sched.stats import SchedulerStats
+
+
+@dataclasses.dataclass
+class ScheduledRequest:
+    """One sequence (one row) of the step."""
+
+    request: Request
+    num_computed_tokens: int  # context already in the cache: the position of the first new token
+    num_new_tokens: int  # q_len: 1 for a decode, N for a prefill chunk
+    samples: bool  # the new tokens reach the end of the known tokens, so a token is sampled
+
+    @property
+    def kv_len(self) -> int:
+        """Context length including this step's new tokens."""
+        return self.num_computed_tokens + self.num_new_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.num_computed_tokens:self.kv_len]
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # row order: running decodes, running prefills, admissions
+    num_batched_tokens: int
+    preempted_request_ids: list[str]  # preempted by this schedule()
+    finished_request_ids: list[str]  # finished or aborted since the previous schedule()
+    eos_token_ids: frozenset[int]  # so step inputs can ban EOS before min_tokens
+    stats: SchedulerStats
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled)

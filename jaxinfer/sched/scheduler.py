@@ -1,0 +1,375 @@
+"""Scheduler: which requests run this step and how many tokens each (continuous batching).
+
+Host-only (no JAX). The engine calls, per step:
+    sched_out = scheduler.schedule()                  # advances num_computed_tokens
+    step_input = make_step_input(sched_out, ...)      # numpy arrays for the compiled step
+    runner_out = runner.execute(step_input)           # token_ids i32[R] (+ logprobs)
+    changed = scheduler.update(sched_out, runner_out) # append, stop, free, cache full pages
+and, between steps, `finish_request(id, "stop", stop_reason=s)` for stop strings and
+`abort_request(id)`.
+
+schedule() fills a token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs):
+running decodes first, then running prefill chunks, then new admissions (FCFS or priority).
+A running request that cannot get a page preempts the most recently admitted one by recompute.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import random
+import time
+from typing import Any, Callable, Sequence
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.request import Request, RequestStatus, SampledLogprobs
+from jaxinfer.sched.output import ScheduledRequest, SchedulerOutput
+from jaxinfer.sched.page_pool import PagePool, extend_page_hashes
+from jaxinfer.sched.stats import SchedulerStats
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclasses.dataclass
+class _Budget:
+    num_tokens: int
+    num_seqs: int
+
+    def exhausted(self) -> bool:
+        return self.num_tokens <= 0 or self.num_seqs <= 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        num_pages: int,
+        max_model_len: int,
+        eos_token_ids: Sequence[int] = (),
+        *,
+        policy: str = "fcfs",
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"{policy=} must be one of {POLICIES}")
+        page_size = engine_config.page_size
+        if max_model_len < 2:
+            raise ValueError(f"{max_model_len=} must be at least 2")
+        if (num_pages - 1) * page_size < max_model_len:
+            raise ValueError(
+                f"{num_pages=} pages of {page_size} tokens (page 0 reserved) cannot hold one "
+                f"sequence of {max_model_len=} tokens")
+        self.config = engine_config
+        self.page_size = page_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.policy = policy
+        self.clock = clock
+        self.pool = PagePool(num_pages, page_size, engine_config.enable_prefix_caching)
+        self.waiting: collections.deque[Request] = collections.deque()  # head is admitted next
+        self.running: list[Request] = []  # admission order
+        self._requests: dict[str, Request] = {}
+        self._rng = random.Random(engine_config.seed)  # seeds of requests that bring none
+        self._finished_ids: list[str] = []
+        self._num_admissions = 0
+        self._static_quota = 0  # static mode: admissions left in the batch being formed
+        self._last = (0, 0)  # (seqs, tokens) of the last schedule()
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.num_finished = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self._requests:
+            raise ValueError(f"request_id={req.request_id!r} is already in use")
+        if req.num_tokens + 1 > self.max_model_len:
+            raise ValueError(
+                f"prompt of {req.num_tokens} tokens + 1 generated token exceeds "
+                f"max_model_len={self.max_model_len}")
+        if req.seed is None:
+            seed = req.sampling_params.seed
+            req.seed = seed if seed is not None else self._rng.getrandbits(32)
+        req.status = RequestStatus.WAITING
+        self._requests[req.request_id] = req
+        self._enqueue(req)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Frees the request's pages at once; None when it is unknown or already finished."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, reason: str | RequestStatus,
+                       stop_reason: int | str | None = None) -> Request | None:
+        """Ends a request ("stop" | "length" | "abort"); the engine uses it for stop strings."""
+        status = RequestStatus.from_finish_reason(reason)
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        if stop_reason is not None:
+            req.stop_reason = stop_reason
+        self._finish(req, status)
+        return req
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def all_requests(self) -> list[Request]:
+        return list(self._requests.values())
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    # -- schedule ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        self._schedule_running(budget, scheduled, preempted)
+        if not preempted:  # admitting right after a preemption would only thrash
+            self._schedule_waiting(budget, scheduled)
+        return self._make_output(scheduled, preempted)
+
+    def _schedule_running(self, budget, scheduled, preempted) -> None:
+        decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in decodes_first:
+            if budget.exhausted():
+                break
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted a moment ago by another one's growth
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget.num_tokens)
+            if self._grow_pages(req, req.num_computed_tokens + num_new, scheduled, preempted):
+                scheduled.append(self._take(req, num_new, budget))
+
+    def _grow_pages(self, req, num_tokens_after, scheduled, preempted) -> bool:
+        """Pages for `num_tokens_after` tokens, preempting others if needed; False if `req`
+        itself had to be preempted."""
+        num_more = self._num_pages_for(num_tokens_after) - len(req.page_ids)
+        while (page_ids := self.pool.allocate(max(num_more, 0))) is None:
+            victim = self._pick_victim(req, scheduled)
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        req.page_ids.extend(page_ids)
+        return True
+
+    def _pick_victim(self, current: Request, scheduled: list[ScheduledRequest]) -> Request:
+        taken = {id(s.request) for s in scheduled}
+        candidates = [r for r in self.running if r is current or id(r) not in taken]
+        if self.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time, r.admission_index))
+        return max(candidates, key=lambda r: r.admission_index)
+
+    def _schedule_waiting(self, budget, scheduled) -> None:
+        static = self.config.scheduling == "static"
+        if static and not self.running:
+            self._static_quota = self.config.max_num_seqs  # the previous batch is done: form one
+        while self.waiting and not budget.exhausted() and len(self.running) < self.config.max_num_seqs:
+            if static and self._static_quota <= 0:
+                return
+            item = self._try_admit(self.waiting[0], budget)
+            if item is None:
+                break
+            self.waiting.popleft()
+            scheduled.append(item)
+            self._static_quota -= static
+        if static and not budget.exhausted():  # stopped by pages, seqs or an empty queue
+            self._static_quota = 0  # the batch is formed: nobody joins until it has finished
+
+    def _try_admit(self, req: Request, budget: _Budget) -> ScheduledRequest | None:
+        """Admits `req` (prefix hits + pages for its first chunk) or returns None, changing nothing."""
+        ps = self.page_size
+        if self.pool.enable_prefix_caching:
+            extend_page_hashes(req.page_hashes, req.all_token_ids, ps, req.cache_salt)
+        # Leave at least the last known token to compute, so the step yields its logits.
+        hit_page_ids = self.pool.find_cached_prefix(req.page_hashes, (req.num_tokens - 1) // ps)
+        num_computed = len(hit_page_ids) * ps
+        num_new = min(req.num_tokens - num_computed, budget.num_tokens)
+        num_new_pages = self._num_pages_for(num_computed + num_new) - len(hit_page_ids)
+        if num_new_pages + self.pool.num_evictable_among(hit_page_ids) > self.pool.num_free_pages:
+            return None
+        self.pool.acquire(hit_page_ids)  # before allocate, so these are not evicted by it
+        req.page_ids = hit_page_ids + self.pool.allocate(num_new_pages)
+        req.num_registered_pages = len(hit_page_ids)
+        req.num_computed_tokens = num_computed
+        self.pool.record_prefix_query(req.num_tokens, num_computed)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_computed
+            req.first_scheduled_time = self.clock()
+        req.status = RequestStatus.RUNNING
+        req.admission_index = self._num_admissions
+        self._num_admissions += 1
+        self.running.append(req)
+        return self._take(req, num_new, budget)
+
+    def _take(self, req: Request, num_new: int, budget: _Budget) -> ScheduledRequest:
+        assert num_new > 0, f"{req.request_id=} has nothing to compute"
+        start = req.num_computed_tokens
+        req.num_computed_tokens += num_new
+        budget.num_tokens -= num_new
+        budget.num_seqs -= 1
+        return ScheduledRequest(req, start, num_new, samples=req.num_computed_tokens == req.num_tokens)
+
+    def _make_output(self, scheduled, preempted) -> SchedulerOutput:
+        num_batched_tokens = sum(s.num_new_tokens for s in scheduled)
+        self._last = (len(scheduled), num_batched_tokens)
+        finished_ids, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=num_batched_tokens,
+            preempted_request_ids=[r.request_id for r in preempted],
+            finished_request_ids=finished_ids,
+            eos_token_ids=self.eos_token_ids,
+            stats=self.stats(),
+        )
+
+    # -- update -----------------------------------------------------------------------------
+    def update(self, sched_out: SchedulerOutput, runner_output: Any) -> list[Request]:
+        """Appends each sampled token (rows in `sched_out.scheduled` order; a mid-prompt chunk's
+        row is ignored), applies token-level stops, frees finished requests' pages and caches
+        newly full pages. `runner_output`: an int array i32[>= num_seqs] or an object with
+        `.token_ids` (and optionally `.logprobs` f32[R], `.top_token_ids`/`.top_logprobs` [R, K]).
+        Returns the requests that got a token, in row order (finished ones included)."""
+        rows = _RunnerRows(runner_output)
+        now = self.clock()
+        changed = []
+        for row, item in enumerate(sched_out.scheduled):
+            req = item.request
+            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != item.kv_len:
+                continue  # finished or aborted after schedule()
+            self._cache_full_pages(req)
+            if not item.samples:
+                continue
+            token_id = rows.token_id(row)
+            req.append_output_token(token_id, now)
+            if req.sampling_params.logprobs is not None and rows.has_logprobs:
+                req.output_logprobs.append(rows.logprobs(row, token_id, req.sampling_params.logprobs))
+            status = self._check_stop(req, token_id)
+            if status is not None:
+                self._finish(req, status)
+            changed.append(req)
+        if sched_out.scheduled:
+            self.num_steps += 1
+        return changed
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if req.num_output_tokens > sp.min_tokens:  # this token's index >= min_tokens
+            if not sp.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in sp.stop_token_ids:
+                req.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
+        if req.num_output_tokens >= max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _cache_full_pages(self, req: Request) -> None:
+        if not self.pool.enable_prefix_caching:
+            return
+        num_full = req.num_computed_tokens // self.page_size
+        extend_page_hashes(req.page_hashes, req.all_token_ids, self.page_size, req.cache_salt)
+        for i in range(req.num_registered_pages, num_full):
+            self.pool.cache_page(req.page_ids[i], req.page_hashes[i])
+        req.num_registered_pages = max(req.num_registered_pages, num_full)
+
+    # -- state changes ----------------------------------------------------------------------
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            bisect.insort(self.waiting, req, key=lambda r: (r.priority, r.arrival_time))
+        elif front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    def _preempt(self, req: Request) -> None:
+        """By recompute: pages freed (full ones stay cached), back to the front of the queue."""
+        self.running.remove(req)
+        self._release_pages(req)
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(req, front=True)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._release_pages(req)
+        req.status = status
+        req.finished_time = self.clock()
+        del self._requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+        self.num_finished += 1
+
+    def _release_pages(self, req: Request) -> None:
+        self.pool.free(req.page_ids)
+        req.page_ids = []
+        req.num_registered_pages = 0
+
+    def _num_pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # -- stats / checks ---------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        pool = self.pool
+        return SchedulerStats(
+            num_steps=self.num_steps,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_scheduled_seqs=self._last[0],
+            num_batched_tokens=self._last[1],
+            num_preemptions_total=self.num_preemptions,
+            num_finished_total=self.num_finished,
+            num_usable_pages=pool.num_usable_pages,
+            num_used_pages=pool.num_used_pages,
+            num_cached_pages=pool.num_cached_pages,
+            num_evictions_total=pool.num_evictions,
+            prefix_cache_query_tokens=pool.counters.num_query_tokens,
+            prefix_cache_hit_tokens=pool.counters.num_hit_tokens,
+            num_live_tokens=sum(r.num_computed_tokens for r in self.running),
+            num_allocated_slots=sum(len(r.page_ids) for r in self.running) * self.page_size,
+        )
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        assert len(self.running) <= self.config.max_num_seqs
+        live = {r.request_id for r in self.running} | {r.request_id for r in self.waiting}
+        assert live == set(self._requests), "a request is lost or duplicated"
+        assert len(live) == len(self.running) + len(self.waiting)
+        refs = collections.Counter(p for r in self.running for p in r.page_ids)
+        for page_id in range(1, self.pool.num_pages):
+            assert self.pool.ref_count(page_id) == refs[page_id], f"{page_id=} ref count is off"
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING
+            assert 0 < r.num_computed_tokens <= r.num_tokens < self.max_model_len + 1
+            assert len(r.page_ids) == self._num_pages_for(r.num_computed_tokens)
+            assert len(set(r.page_ids)) == len(r.page_ids)
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and not r.page_ids
+
+
+class _RunnerRows:
+    """Uniform access to a runner output: a plain token array or an object with `.token_ids`."""
+
+    def __init__(self, out: Any):
+        self._token_ids = getattr(out, "token_ids", out)
+        self._logprobs = getattr(out, "logprobs", None)
+        self._top_ids = getattr(out, "top_token_ids", None)
+        self._top_lps = getattr(out, "top_logprobs", None)
+        self.has_logprobs = self._logprobs is not None
+
+    def token_id(self, row: int) -> int:
+        return int(self._token_ids[row])
+
+    def logprobs(self, row: int, token_id: int, k: int) -> SampledLogprobs:
+        top_ids = [] if self._top_ids is None or k == 0 else [int(t) for t in self._top_ids[row][:k]]
+        top_lps = [] if self._top_lps is None or k == 0 else [float(x) for x in self._top_lps[row][:k]]
+        return SampledLogprobs(token_id, float(self._logprobs[row]), top_ids, top_lps)

@@ -1,0 +1,297 @@
+"""make_step_input: a SchedulerOutput -> the padded numpy arrays of one compiled step.
+
+Host-only (no JAX). T (tokens), S (sequences) and P (pages per sequence) are padded up to shape
+buckets (powers of two), so a handful of executables serve every batch; `StepBuckets.all_shapes()`
+lists them for warm-up. Padding needs no masks:
+  padding token j    input_id 0, position 0, slot j % page_size (the null page 0)
+  padding sequence   q_len 0 (cu_q_lens repeats its last value), kv_len 0, pages all 0
+  padding row        logits_indices 0, greedy, neutral penalties
+R (sampled rows) == S: row s samples from the last new token of sequence s (a mid-prompt chunk's
+row is computed and ignored by `Scheduler.update`).
+
+One host->device copy: `StepInput.pack()` gives one i32 buffer and a static layout;
+`unpack(buf, layout, bitcast)` slices it back (numpy or jnp; f32/u32 fields are bitcast).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterator, NamedTuple
+
+import numpy as np
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.sched.output import SchedulerOutput
+
+MIN_NUM_TOKENS = 8
+MIN_NUM_SEQS = 1
+MIN_PAGES_PER_SEQ = 1
+MIN_HISTORY_WIDTH = 8
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _powers_of_2(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2lo, ... up to the first power of two >= hi (lo itself a power of two)."""
+    out = [next_power_of_2(lo)]
+    while out[-1] < hi:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+def _pick(buckets: tuple[int, ...], n: int, name: str) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{name}={n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBuckets:
+    """The padded sizes a step may take. Any ascending tuples work (e.g. one fixed page width)."""
+
+    page_size: int
+    token_buckets: tuple[int, ...]  # T
+    seq_buckets: tuple[int, ...]  # S (== R)
+    page_buckets: tuple[int, ...]  # P
+
+    @classmethod
+    def from_config(cls, engine_config: EngineConfig, max_model_len: int, *,
+                    min_num_tokens: int = MIN_NUM_TOKENS, min_num_seqs: int = MIN_NUM_SEQS,
+                    min_pages_per_seq: int = MIN_PAGES_PER_SEQ) -> "StepBuckets":
+        ps = engine_config.page_size
+        max_seqs = min(engine_config.max_num_seqs, engine_config.max_num_batched_tokens)
+        return cls(
+            page_size=ps,
+            token_buckets=_powers_of_2(min_num_tokens, engine_config.max_num_batched_tokens),
+            seq_buckets=_powers_of_2(min_num_seqs, max_seqs),
+            page_buckets=_powers_of_2(min_pages_per_seq, -(-max_model_len // ps)),
+        )
+
+    def pick(self, num_tokens: int, num_seqs: int, pages_per_seq: int) -> tuple[int, int, int]:
+        return (_pick(self.token_buckets, num_tokens, "num_tokens"),
+                _pick(self.seq_buckets, num_seqs, "num_seqs"),
+                _pick(self.page_buckets, pages_per_seq, "pages_per_seq"))
+
+    def all_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (T, S, P) `pick` can return (a step has at least one token per sequence)."""
+        return [(t, s, p) for t in self.token_buckets for s in self.seq_buckets
+                if s <= max(t, self.seq_buckets[0]) for p in self.page_buckets]
+
+
+def all_buckets(engine_config: EngineConfig, max_model_len: int) -> list[tuple[int, int, int]]:
+    return StepBuckets.from_config(engine_config, max_model_len).all_shapes()
+
+
+class PackedField(NamedTuple):
+    name: str
+    offset: int  # in int32 words
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name: int32 | float32 | uint32
+
+
+PackedLayout = tuple[PackedField, ...]  # hashable: pass it to jit as a static argument
+
+
+@dataclasses.dataclass
+class StepInput:
+    # model + attention (AttentionMetadata fields)
+    input_ids: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T]
+    slot_mapping: np.ndarray  # i32[T] page_id * page_size + offset; padding -> null page 0
+    cu_q_lens: np.ndarray  # i32[S+1]
+    kv_lens: np.ndarray  # i32[S] context incl. this step's tokens; 0 for padding
+    page_indices: np.ndarray  # i32[S, P]
+    num_seqs: np.ndarray  # i32[1] real sequences
+    logits_indices: np.ndarray  # i32[R] index into T of each row's last new token
+    # sampling, one entry per row (SamplingMetadata fields)
+    temperature: np.ndarray  # f32[R] 0 -> greedy
+    top_k: np.ndarray  # i32[R] <= 0 -> off
+    top_p: np.ndarray  # f32[R] 1 -> off
+    min_p: np.ndarray  # f32[R] 0 -> off
+    seeds: np.ndarray  # u32[R]
+    sample_positions: np.ndarray  # i32[R] position the sampled token will take (== kv_len)
+    presence_penalty: np.ndarray  # f32[R]
+    frequency_penalty: np.ndarray  # f32[R]
+    repetition_penalty: np.ndarray  # f32[R]
+    # host-side facts
+    num_rows: int = 0  # real rows (== real sequences); rows beyond are padding
+    num_real_tokens: int = 0
+    num_top_logprobs: int = 0  # the largest top-k logprobs any row asked for
+    needs_logprobs: bool = False
+    all_greedy: bool = True
+    # optional parts (None unless some row needs them; their widths are extra buckets)
+    prompt_token_ids: np.ndarray | None = None  # i32[R, Wp] -1 padded (repetition penalty)
+    output_token_ids: np.ndarray | None = None  # i32[R, Wo] -1 padded (all penalties)
+    bias_token_ids: np.ndarray | None = None  # i32[R, B] (pad: id 0 with value 0: add, never set)
+    bias_values: np.ndarray | None = None  # f32[R, B] logit_bias, and -inf on EOS/stop ids < min_tokens
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(T, S, P)"""
+        return (self.input_ids.shape[0],) + self.page_indices.shape
+
+    def attention_arrays(self) -> dict[str, np.ndarray]:
+        return {k: getattr(self, k) for k in
+                ("slot_mapping", "cu_q_lens", "kv_lens", "page_indices", "num_seqs")}
+
+    def sampling_arrays(self) -> dict[str, np.ndarray]:
+        """The per-row sampling arrays under SamplingMetadata's names (positions = sample_positions)."""
+        d = {k: getattr(self, k) for k in _SAMPLING_FIELDS}
+        d["positions"] = d.pop("sample_positions")
+        return d
+
+    def array_fields(self) -> list[str]:
+        return [f for f in _ARRAY_FIELDS if getattr(self, f) is not None]
+
+    def pack(self) -> tuple[np.ndarray, PackedLayout]:
+        """Every array in one i32 buffer (f32/u32 bit-for-bit) and its layout."""
+        parts, layout, offset = [], [], 0
+        for name in self.array_fields():
+            a = np.ascontiguousarray(getattr(self, name))
+            assert a.dtype.itemsize == 4, f"{name} is {a.dtype}"
+            parts.append(a.reshape(-1).view(np.int32))
+            layout.append(PackedField(name, offset, tuple(a.shape), a.dtype.name))
+            offset += a.size
+        return np.concatenate(parts), tuple(layout)
+
+
+_SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "sample_positions",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty")
+_ARRAY_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_indices",
+                 "num_seqs", "logits_indices") + _SAMPLING_FIELDS + (
+                    "prompt_token_ids", "output_token_ids", "bias_token_ids", "bias_values")
+
+
+def unpack(buf: Any, layout: PackedLayout, bitcast: Callable[[Any, str], Any]) -> dict[str, Any]:
+    """Slices a packed buffer back into named arrays. `bitcast(x_i32, dtype_name)`: numpy
+    `lambda x, d: x.view(d)`; jax `lambda x, d: jax.lax.bitcast_convert_type(x, jnp.dtype(d))`."""
+    out = {}
+    for f in layout:
+        size = int(np.prod(f.shape, dtype=np.int64))
+        x = buf[f.offset:f.offset + size].reshape(f.shape)
+        out[f.name] = x if f.dtype == "int32" else bitcast(x, f.dtype)
+    return out
+
+
+# -- building -------------------------------------------------------------------------------
+def make_step_input(sched_out: SchedulerOutput, engine_config: EngineConfig, max_model_len: int,
+                    *, buckets: StepBuckets | None = None) -> StepInput:
+    buckets = buckets or StepBuckets.from_config(engine_config, max_model_len)
+    items = sched_out.scheduled
+    pages_per_seq = max((len(it.request.page_ids) for it in items), default=1)
+    si = empty_step_input(*buckets.pick(sched_out.num_batched_tokens, len(items), pages_per_seq),
+                          buckets.page_size)
+    _fill_attention(si, sched_out, buckets.page_size)
+    _fill_sampling(si, sched_out)
+    _fill_optional(si, sched_out)
+    return si
+
+
+def empty_step_input(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: int) -> StepInput:
+    """All padding: a valid step that only writes to the null page (also the warm-up input)."""
+    T, S, P = num_tokens, num_seqs, pages_per_seq
+    i32, f32 = np.int32, np.float32
+    return StepInput(
+        input_ids=np.zeros(T, i32),
+        positions=np.zeros(T, i32),
+        slot_mapping=(np.arange(T) % page_size).astype(i32),
+        cu_q_lens=np.zeros(S + 1, i32),
+        kv_lens=np.zeros(S, i32),
+        page_indices=np.zeros((S, P), i32),
+        num_seqs=np.zeros(1, i32),
+        logits_indices=np.zeros(S, i32),
+        temperature=np.zeros(S, f32),
+        top_k=np.zeros(S, i32),
+        top_p=np.ones(S, f32),
+        min_p=np.zeros(S, f32),
+        seeds=np.zeros(S, np.uint32),
+        sample_positions=np.zeros(S, i32),
+        presence_penalty=np.zeros(S, f32),
+        frequency_penalty=np.zeros(S, f32),
+        repetition_penalty=np.ones(S, f32),
+    )
+
+
+def warmup_step_inputs(engine_config: EngineConfig, max_model_len: int, *,
+                       buckets: StepBuckets | None = None) -> Iterator[StepInput]:
+    """One all-padding StepInput per shape bucket (compiling each touches only the null page)."""
+    buckets = buckets or StepBuckets.from_config(engine_config, max_model_len)
+    for shape in buckets.all_shapes():
+        yield empty_step_input(*shape, buckets.page_size)
+
+
+def _fill_attention(si: StepInput, sched_out: SchedulerOutput, page_size: int) -> None:
+    t = 0
+    for s, it in enumerate(sched_out.scheduled):
+        start, q, page_ids = it.num_computed_tokens, it.num_new_tokens, it.request.page_ids
+        pos = np.arange(start, start + q)  # i64[q]
+        si.input_ids[t:t + q] = it.token_ids
+        si.positions[t:t + q] = pos
+        si.slot_mapping[t:t + q] = np.asarray(page_ids, np.int64)[pos // page_size] * page_size + pos % page_size
+        si.page_indices[s, :len(page_ids)] = page_ids
+        si.kv_lens[s] = start + q
+        t += q
+        si.cu_q_lens[s + 1] = t
+    n = len(sched_out.scheduled)
+    si.cu_q_lens[n + 1:] = t
+    si.slot_mapping[t:] = np.arange(si.slot_mapping.shape[0] - t) % page_size
+    si.num_seqs[0] = n
+    si.logits_indices[:n] = si.cu_q_lens[1:n + 1] - 1
+    si.num_rows, si.num_real_tokens = n, t
+
+
+def _fill_sampling(si: StepInput, sched_out: SchedulerOutput) -> None:
+    top_logprobs = []
+    for r, it in enumerate(sched_out.scheduled):
+        req, sp = it.request, it.request.sampling_params
+        si.temperature[r] = sp.temperature
+        si.top_k[r] = max(sp.top_k, 0)
+        si.top_p[r] = sp.top_p
+        si.min_p[r] = sp.min_p
+        si.seeds[r] = req.seed & 0xFFFFFFFF
+        si.sample_positions[r] = it.kv_len
+        si.presence_penalty[r] = sp.presence_penalty
+        si.frequency_penalty[r] = sp.frequency_penalty
+        si.repetition_penalty[r] = sp.repetition_penalty
+        if sp.logprobs is not None:
+            top_logprobs.append(sp.logprobs)
+    si.needs_logprobs = bool(top_logprobs)
+    si.num_top_logprobs = max(top_logprobs, default=0)
+    si.all_greedy = bool(np.all(si.temperature[:si.num_rows] == 0.0))
+
+
+def _fill_optional(si: StepInput, sched_out: SchedulerOutput) -> None:
+    items, num_rows = sched_out.scheduled, si.seeds.shape[0]
+    if any(it.request.sampling_params.has_penalties for it in items):
+        si.prompt_token_ids = _pad_rows([it.request.prompt_token_ids for it in items], num_rows)
+        si.output_token_ids = _pad_rows([it.request.output_token_ids for it in items], num_rows)
+    biases = [_row_bias(it, sched_out.eos_token_ids) for it in items]
+    if any(biases):
+        width = next_power_of_2(max(MIN_HISTORY_WIDTH, max(len(b) for b in biases)))
+        si.bias_token_ids = np.zeros((num_rows, width), np.int32)
+        si.bias_values = np.zeros((num_rows, width), np.float32)
+        for r, b in enumerate(biases):
+            si.bias_token_ids[r, :len(b)] = list(b.keys())
+            si.bias_values[r, :len(b)] = list(b.values())
+
+
+def _row_bias(it, eos_token_ids: frozenset[int]) -> dict[int, float]:
+    """logit_bias, plus -inf on EOS / stop_token_ids while the row is below min_tokens."""
+    req = it.request
+    sp = req.sampling_params
+    bias = dict(sp.logit_bias or {})
+    if req.num_output_tokens < sp.min_tokens:
+        banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_token_ids))
+        bias.update({t: float("-inf") for t in banned})
+    return bias
+
+
+def _pad_rows(rows: list[list[int]], num_rows: int) -> np.ndarray:
+    width = next_power_of_2(max(MIN_HISTORY_WIDTH, max((len(r) for r in rows), default=0)))
+    out = np.full((num_rows, width), -1, np.int32)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
