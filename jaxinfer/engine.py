@@ -9,23 +9,45 @@ from typing import Sequence
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine_outputs import OutputProcessor
-from jaxinfer.models.loader import load_model
+from jaxinfer.models.loader import load_model, model_source
 from jaxinfer.request import Request, RequestOutput
 from jaxinfer.runtime.kv_cache import kv_cache_bytes_per_page
 from jaxinfer.runtime.runner import ModelRunner, device_memory_bytes_free, kv_dtype_of, param_bytes
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.sched.scheduler import Scheduler
+from jaxinfer.sched.stats import SchedulerStats
 from jaxinfer.sched.step_input import make_step_input
 from jaxinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineMetrics(SchedulerStats):
+    """A snapshot: the scheduler's stats plus the runner's and speculation's counters."""
+
+    num_compilations: int = 0
+    compile_seconds: float = 0.0
+    num_draft_tokens_total: int = 0
+    num_accepted_tokens_total: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        n = self.num_draft_tokens_total
+        return self.num_accepted_tokens_total / n if n else 0.0
+
+
 class LLMEngine:
     def __init__(self, model: str, *, tokenizer: str | None = None, **engine_kwargs):
         self.engine_config = EngineConfig(**engine_kwargs)
-        self.model_config, model_module, source = load_model(model, self.engine_config)
-        self.tokenizer = Tokenizer.from_source(tokenizer or source.path, source.gguf_file if tokenizer is None else None)
+        self.model_config, model_module = load_model(model, self.engine_config)
+        if tokenizer is not None:
+            self.tokenizer = Tokenizer.from_source(tokenizer, None)
+        elif self.engine_config.load_format == "dummy":
+            raise ValueError("load_format='dummy' needs tokenizer= (an HF directory or .gguf file)")
+        else:
+            source = model_source(model)
+            self.tokenizer = Tokenizer.from_source(source.path, source.gguf_file)
         self.max_model_len = self._max_model_len(self.model_config, self.engine_config)
         self.num_pages = self._num_pages(model_module)
         self.runner = ModelRunner(self.model_config, self.engine_config, model_module, self.num_pages)
@@ -138,10 +160,12 @@ class LLMEngine:
                     time.perf_counter() - t0)
 
     @property
-    def metrics(self):
-        return dataclasses.replace(
-            self.scheduler.stats(),
+    def metrics(self) -> EngineMetrics:
+        stats = self.scheduler.stats()
+        return EngineMetrics(
+            **{f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)},
             num_compilations=self.runner.num_compilations,
+            compile_seconds=self.runner.compile_seconds,
         )
 
     def weight_bytes(self) -> int:

@@ -12,9 +12,11 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.runtime.kv_cache import AttentionMetadata, allocate_kv_cache
-from jaxinfer.runtime.sampler import SamplingMetadata
-from jaxinfer.runtime.step import StepBatch, make_jitted_step
+from jaxinfer.runtime.kv_cache import allocate_kv_cache
+from jaxinfer.runtime.sampler import sampler_flags
+from jaxinfer.runtime.step import StepFlags, make_jitted_step
+
+MAX_TOP_LOGPROBS = 20
 
 logger = logging.getLogger(__name__)
 
@@ -58,54 +60,37 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------------
     def execute(self, step_input) -> RunnerOutput:
         """Runs one step on a host StepInput (numpy, padded); returns the sampled rows."""
-        num_top = 20 if step_input.num_top_logprobs else 0
-        batch = self._to_device(step_input)
-        signature = _signature(batch, num_top)
+        flags = self._flags(step_input)
+        buf, layout = step_input.pack()
+        signature = (layout, flags)
         is_new = signature not in self._seen_signatures
         t0 = time.perf_counter()
-        out, self.kv_cache = self._step(
-            self.state, self.kv_cache, batch,
-            attention_backend=self.attention_backend, num_top_logprobs=num_top,
-        )
+        out, self.kv_cache = self._step(self.state, self.kv_cache, jax.device_put(buf), layout, flags)
         host = jax.device_get(out)  # the one device->host transfer of the step
         if is_new:
             self._seen_signatures.add(signature)
             self.num_compilations += 1
             dt = time.perf_counter() - t0
             self.compile_seconds += dt
-            logger.info("compiled step for shapes %s in %.1f s", signature, dt)
-        num_rows = step_input.num_rows
+            logger.info("compiled a step for (T, S, P)=%s %s in %.1f s", step_input.shape, flags, dt)
+        n = step_input.num_rows
         return RunnerOutput(
-            token_ids=np.asarray(host.token_ids[:num_rows]),
-            logprobs=np.asarray(host.logprobs[:num_rows]),
-            top_token_ids=None if host.top_token_ids is None else np.asarray(host.top_token_ids[:num_rows]),
-            top_logprobs=None if host.top_logprobs is None else np.asarray(host.top_logprobs[:num_rows]),
+            token_ids=np.asarray(host.token_ids[:n]),
+            logprobs=np.asarray(host.logprobs[:n]),
+            top_token_ids=None if host.top_token_ids is None else np.asarray(host.top_token_ids[:n]),
+            top_logprobs=None if host.top_logprobs is None else np.asarray(host.top_logprobs[:n]),
         )
 
-    def _to_device(self, si) -> StepBatch:
-        """One host->device transfer of the packed step metadata."""
-        host = StepBatch(
-            input_ids=si.input_ids,
-            positions=si.positions,
-            md=AttentionMetadata(
-                slot_mapping=si.slot_mapping,
-                cu_q_lens=si.cu_q_lens,
-                kv_lens=si.kv_lens,
-                page_indices=si.page_indices,
-                num_seqs=si.num_seqs,
-            ),
-            logits_indices=si.logits_indices,
-            sampling=si.sampling_metadata(),
+    def _flags(self, si) -> StepFlags:
+        rows = slice(0, max(si.num_rows, 1))
+        sf = sampler_flags(si.temperature[rows], si.top_k[rows], si.top_p[rows])
+        # One logprobs width (20, OpenAI's maximum) so logprobs requests add one executable, not 20.
+        return StepFlags(
+            attention_backend=self.attention_backend,
+            num_top_logprobs=MAX_TOP_LOGPROBS if si.num_top_logprobs else 0,
+            needs_sort=sf["needs_sort"],
+            all_greedy=sf["all_greedy"],
         )
-        return jax.device_put(host)
-
-
-def _signature(batch: StepBatch, num_top: int) -> tuple:
-    shapes = tuple(
-        (tuple(x.shape), str(x.dtype)) for x in jax.tree_util.tree_leaves(batch)
-    )
-    structure = jax.tree_util.tree_structure(batch)
-    return (shapes, str(structure), num_top)
 
 
 def device_memory_bytes_free() -> int | None:
