@@ -1,0 +1,157 @@
+"""The engine end to end on the tiny Llama: batching invariance, seeds, stops, preemption, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+
+
+def _prompts(n: int, rng: np.random.Generator, vocab: int = 300) -> list[list[int]]:
+    lengths = rng.integers(1, 60, size=n)
+    return [rng.integers(3, vocab, size=int(L)).tolist() for L in lengths]
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_batch_equals_alone_greedy(tiny_llm):
+    """16 prompts of different lengths in one batch give each prompt's greedy tokens alone."""
+    prompts = _prompts(16, np.random.default_rng(0))
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    batched = _tokens(tiny_llm.generate(prompts, sp, use_tqdm=False))
+    alone = [_tokens(tiny_llm.generate([p], sp, use_tqdm=False))[0] for p in prompts]
+    assert batched == alone
+    assert all(len(t) == 12 for t in batched)
+    assert tiny_llm.engine.scheduler.pool.num_free_pages == tiny_llm.engine.num_pages - 1
+
+
+def test_seeded_sampling_independent_of_batch(tiny_llm):
+    prompts = _prompts(6, np.random.default_rng(1))
+    sp = [SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True)
+          for i in range(len(prompts))]
+    batched = _tokens(tiny_llm.generate(prompts, sp, use_tqdm=False))
+    alone = [_tokens(tiny_llm.generate([p], [s], use_tqdm=False))[0] for p, s in zip(prompts, sp)]
+    assert batched == alone
+    again = _tokens(tiny_llm.generate(prompts, sp, use_tqdm=False))
+    assert again == batched
+    # different seeds give different samples (10 tokens from a random model: collision ~impossible)
+    assert len({tuple(t) for t in batched}) > 1
+
+
+def test_max_tokens_and_finish_reasons(tiny_llm):
+    outs = tiny_llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                             use_tqdm=False)
+    c = outs[0].outputs[0]
+    assert len(c.token_ids) == 5 and c.finish_reason == "length"
+    assert outs[0].finished
+
+
+def test_stop_token_ids(tiny_llm):
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    toks = _tokens(tiny_llm.generate([[9, 10, 11, 12]], sp, use_tqdm=False))[0]
+    stop_at = toks[4]
+    first = toks.index(stop_at)
+    outs = tiny_llm.generate([[9, 10, 11, 12]],
+                             SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                            stop_token_ids=[stop_at]), use_tqdm=False)
+    c = outs[0].outputs[0]
+    assert c.token_ids == toks[:first + 1]
+    assert c.finish_reason == "stop" and c.stop_reason == stop_at
+
+
+def test_stop_string_truncates_text(tiny_llm):
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    full = tiny_llm.generate(["Hello, world!"], sp, use_tqdm=False)[0].outputs[0].text
+    assert len(full) >= 4
+    stop = full[2:4]
+    out = tiny_llm.generate(["Hello, world!"],
+                            SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[stop]),
+                            use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full[: full.index(stop)]
+
+
+def test_small_pool_preempts_and_matches_large_pool(tiny_llama_dir, tiny_llm):
+    """A pool far too small for the batch: every request finishes, tokens as with a big pool."""
+    prompts = _prompts(12, np.random.default_rng(2))
+    sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = _tokens(tiny_llm.generate(prompts, sp, use_tqdm=False))
+    small = LLM(tiny_llama_dir, num_pages=20, page_size=8, max_num_seqs=16,
+                max_num_batched_tokens=64, max_model_len=256)
+    got = _tokens(small.generate(prompts, sp, use_tqdm=False))
+    assert got == expected
+    assert small.engine.metrics.num_preemptions_total > 0
+    assert small.engine.scheduler.pool.num_free_pages == small.engine.num_pages - 1
+
+
+def test_prefix_cache_hit_gives_same_tokens(tiny_llm):
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, 300, size=40).tolist()
+    prompts = [prefix + rng.integers(3, 300, size=5).tolist() for _ in range(4)]
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    before = tiny_llm.engine.metrics.prefix_cache_hit_tokens
+    first = _tokens(tiny_llm.generate(prompts[:1], sp, use_tqdm=False))
+    rest = _tokens(tiny_llm.generate(prompts, sp, use_tqdm=False))
+    assert tiny_llm.engine.metrics.prefix_cache_hit_tokens - before >= 32 * 3
+    assert rest[0] == first[0]
+    tiny_llm.engine.scheduler.reset_prefix_cache()
+    cold = [_tokens(tiny_llm.generate([p], sp, use_tqdm=False))[0] for p in prompts]
+    assert rest == cold
+
+
+@pytest.mark.parametrize("bad", [
+    dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(max_tokens=0),
+    dict(top_k=-5), dict(min_p=2.0), dict(logprobs=50),
+])
+def test_invalid_sampling_params(bad):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**bad)
+
+
+def test_prompt_too_long_is_value_error_and_engine_keeps_serving(tiny_llm):
+    with pytest.raises(ValueError, match="256"):
+        tiny_llm.generate([[5] * 300], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="vocabulary"):
+        tiny_llm.generate([[10**6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not tiny_llm.engine.has_unfinished_requests()
+    out = tiny_llm.generate([[5, 6]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_bad_model_paths(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model at all")
+    with pytest.raises(ValueError, match="not a model"):
+        LLM(str(junk))
+
+
+def test_abort_frees_pages(tiny_llm):
+    eng = tiny_llm.engine
+    eng.add_request("abort-me", [5, 6, 7, 8] * 5, SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert eng.scheduler.pool.num_free_pages < eng.num_pages - 1
+    eng.abort_request("abort-me")
+    assert not eng.has_unfinished_requests()
+    assert eng.scheduler.pool.num_free_pages == eng.num_pages - 1
+
+
+def test_stream_yields_the_generated_text(tiny_llm):
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    full = tiny_llm.generate(["Once upon a time"], sp, use_tqdm=False)[0].outputs[0].text
+    assert "".join(tiny_llm.stream("Once upon a time", sp)) == full
+
+
+def test_chat_uses_the_template(tiny_llm):
+    out = tiny_llm.chat([{"role": "user", "content": "Hello"}],
+                        SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    ids = tiny_llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}],
+                                                 add_generation_prompt=True)
+    assert out[0].prompt_token_ids == ids
+    assert len(out[0].outputs[0].token_ids) == 4
