@@ -250,7 +250,8 @@ class AsyncEngine:
         self._ready.set()
         in_flight: set[str] = set()
         while True:
-            self._process_commands(in_flight)
+            if self._process_commands(in_flight):
+                self._snapshot_metrics()  # e.g. pages freed by aborts, before the loop idles
             if self._stop.is_set():
                 break
             if not engine.has_unfinished_requests():
@@ -269,12 +270,14 @@ class AsyncEngine:
             self._snapshot_metrics()
         self._snapshot_metrics()
 
-    def _process_commands(self, in_flight: set[str]) -> None:
+    def _process_commands(self, in_flight: set[str]) -> int:
+        num_done = 0
         while True:
             try:
                 kind, request_id, payload, future = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return num_done
+            num_done += 1
             if kind == _ADD:
                 prompt, params, priority = payload
                 try:

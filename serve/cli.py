@@ -146,13 +146,18 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(async_engine, api_key=api_key, max_body_bytes=args.max_body_bytes,
                      served_model_name=args.served_model_name or served_name(args.model),
                      shutdown_timeout=args.shutdown_timeout)
-    config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
-                            access_log=args.access_log, log_level=_uvicorn_log_level(),
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5.0,
-                            timeout_keep_alive=30)
-    server = _UvicornServer(config, async_engine)
-    server.run()
+    serve_app(app, async_engine, host=args.host, port=args.port,
+              shutdown_timeout=args.shutdown_timeout, access_log=args.access_log)
     return 0
+
+
+def serve_app(app, async_engine, *, host: str, port: int, shutdown_timeout: float = 30.0,
+              access_log: bool = False) -> None:
+    """Runs `app` under uvicorn until SIGTERM/SIGINT, then drains (see the module doc)."""
+    config = uvicorn.Config(app, host=host, port=port, lifespan="on", access_log=access_log,
+                            log_level=_uvicorn_log_level(),
+                            timeout_graceful_shutdown=shutdown_timeout + 5.0, timeout_keep_alive=30)
+    _UvicornServer(config, async_engine).run()
 
 
 def _uvicorn_log_level() -> str:
