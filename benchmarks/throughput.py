@@ -1,0 +1,139 @@
+"""Continuous vs static batching, KV utilisation, and the prefix cache, on the same engine code.
+
+    python benchmarks/throughput.py [--num-requests 256] [--prefix-requests 64] [--model smollm2-135m]
+
+Workload (fixed seed): prompt lengths uniform in [16, 1024] tokens, output lengths from an
+exponential (mean 128) capped at 512, greedy with ignore_eos so lengths are exact. Both modes run
+the same requests through the same step and kernels; "static" only admits a new batch when the
+whole previous batch has finished. KV utilisation = live tokens / allocated page slots, sampled
+every step while requests are waiting (the pool is saturated). The prefix test sends requests that
+share a 512-token prefix all at once and compares mean time to first token with the prefix cache
+on and off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from jaxinfer import LLM, SamplingParams  # noqa: E402
+
+
+def workload(n: int, seed: int, vocab: int, max_prompt: int, mean_out: int, cap_out: int):
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(16, max_prompt + 1, size=n)
+    out_lens = np.minimum(np.maximum(rng.exponential(mean_out, size=n).astype(int), 1), cap_out)
+    prompts = [rng.integers(100, vocab - 100, size=int(L)).tolist() for L in prompt_lens]
+    params = [SamplingParams(max_tokens=int(o), temperature=0.0, ignore_eos=True) for o in out_lens]
+    return prompts, params
+
+
+def run_mode(llm: LLM, prompts, params) -> dict:
+    eng = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"r{i}", p, sp)
+    utils, num_out, t0 = [], 0, time.perf_counter()
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        st = eng.scheduler.stats()
+        if st.num_waiting > 0 and st.num_allocated_slots:
+            utils.append(st.kv_utilization)
+    dt = time.perf_counter() - t0
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs.values())
+    ttft = [o.metrics.time_to_first_token for o in outs.values()]
+    return dict(seconds=dt, out_tok_s=num_out / dt, num_out=num_out,
+                kv_util=float(np.mean(utils)) if utils else float("nan"),
+                ttft_mean=float(np.mean(ttft)), steps=eng.num_steps,
+                preemptions=eng.metrics.num_preemptions_total,
+                tokens={o.request_id: o.outputs[0].token_ids for o in outs.values()})
+
+
+def warm(llm: LLM, prompts, params) -> None:
+    """Touch the shapes the run will use (compiles happen here, not in the timed run)."""
+    llm.engine.warmup()
+
+
+def prefix_test(llm: LLM, n: int, vocab: int, prefix_len: int = 512, suffix_len: int = 16) -> float:
+    rng = np.random.default_rng(7)
+    prefix = rng.integers(100, vocab - 100, size=prefix_len).tolist()
+    prompts = [prefix + rng.integers(100, vocab - 100, size=suffix_len).tolist() for _ in range(n)]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.engine.scheduler.reset_prefix_cache()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return float(np.mean([o.metrics.time_to_first_token for o in outs]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--prefix-requests", type=int, default=64)
+    ap.add_argument("--max-prompt", type=int, default=1024)
+    ap.add_argument("--mean-out", type=int, default=128)
+    ap.add_argument("--cap-out", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--num-pages", type=int, default=2048)
+    ap.add_argument("--skip-static", action="store_true")
+    args = ap.parse_args()
+
+    common = dict(page_size=16, num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.max_prompt + args.cap_out + 16)
+    rows = []
+    results = {}
+    modes = ["continuous"] if args.skip_static else ["continuous", "static"]
+    for mode in modes:
+        llm = LLM(args.model, scheduling=mode, **common)
+        vocab = llm.engine.model_config.vocab_size
+        prompts, params = workload(args.num_requests, 0, vocab, args.max_prompt, args.mean_out,
+                                   args.cap_out)
+        t0 = time.perf_counter()
+        warm(llm, prompts, params)
+        print(f"[{mode}] warm-up {time.perf_counter() - t0:.0f} s, "
+              f"{llm.engine.runner.num_compilations} executables", flush=True)
+        r = run_mode(llm, prompts, params)
+        results[mode] = r
+        rows.append((mode, r))
+        print(f"[{mode}] {r['out_tok_s']:.1f} out tok/s in {r['seconds']:.0f} s", flush=True)
+        if mode == "continuous":
+            on = prefix_test(llm, args.prefix_requests, vocab)
+            llm2 = llm  # same compiled engine, cache off via a fresh engine would recompile:
+            # turn prefix caching off on the pool itself for the comparison
+            llm2.engine.scheduler.pool.enable_prefix_caching = False
+            off = prefix_test(llm2, args.prefix_requests, vocab)
+            llm2.engine.scheduler.pool.enable_prefix_caching = True
+            results["prefix"] = (on, off)
+        del llm
+        gc.collect()
+
+    print(f"\nThroughput, {args.model}, {args.num_requests} requests, prompts 16-{args.max_prompt}, "
+          f"outputs exp(mean {args.mean_out}) cap {args.cap_out}, greedy, CPU={os.cpu_count()} cores")
+    print(f"{'mode':>11} | {'out tok/s':>9} | {'seconds':>8} | {'KV util':>7} | {'mean TTFT s':>11} | "
+          f"{'preempt':>7} | ratio")
+    print("-" * 78)
+    base = results.get("static", {}).get("out_tok_s")
+    for mode, r in rows:
+        ratio = f"{r['out_tok_s'] / base:.2f}x" if base else "n/a"
+        print(f"{mode:>11} | {r['out_tok_s']:9.1f} | {r['seconds']:8.1f} | {r['kv_util']:7.1%} | "
+              f"{r['ttft_mean']:11.2f} | {r['preemptions']:7d} | {ratio}")
+    if "static" in results:
+        same = results["static"]["tokens"] == results["continuous"]["tokens"]
+        print(f"greedy tokens identical across modes: {same}")
+    on, off = results["prefix"]
+    print(f"\nPrefix cache, {args.prefix_requests} requests sharing a 512-token prefix: mean TTFT "
+          f"{on:.3f} s with, {off:.3f} s without -> {off / on:.1f}x lower")
+
+
+if __name__ == "__main__":
+    main()
