@@ -1,0 +1,128 @@
+"""Time from `jaxinfer serve` to a ready /health: cold (empty compilation cache) and warm.
+
+    python benchmarks/startup.py [MODEL] [--runs 1] [-- extra `jaxinfer serve` flags]
+
+Each run starts a fresh server process on 127.0.0.1 (a free port), polls /health until 200 (the
+engine has loaded and compiled every shape bucket), and stops it with SIGTERM. "cold" uses an empty
+compilation cache directory, "warm" the same directory again, "no cache" none at all. Prints a
+table with the seconds to ready and the ratio cold / warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, port: int, extra_args: list[str], *, log_path: str,
+                 env: dict | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "--log-level", "INFO", "serve", model,
+           "--host", "127.0.0.1", "--port", str(port), *extra_args]
+    log = open(log_path, "w")
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float) -> float:
+    """Seconds until GET {url}/health answers 200; raises if the process dies or time runs out."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url}/health not ready after {timeout:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def time_to_ready(model: str, extra_args: list[str], timeout: float, log_path: str) -> float:
+    port = free_port()
+    t0 = time.monotonic()
+    proc = start_server(model, port, extra_args, log_path=log_path)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc, timeout)
+        return time.monotonic() - t0
+    except BaseException:
+        with open(log_path, errors="replace") as f:
+            sys.stderr.write(f.read()[-3000:])
+        raise
+    finally:
+        stop_server(proc)
+
+
+def dir_size_mb(path: str) -> float:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
+    return total / 2**20
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?", default="smollm2-135m")
+    p.add_argument("--runs", type=int, default=1, help="warm runs (the cold one is always one)")
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--no-cache-run", action="store_true", help="also time a start with no cache")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER,
+                   help="after `--`: flags passed to `jaxinfer serve`")
+    args = p.parse_args()
+    extra = [a for a in args.serve_args if a != "--"]
+    cache_dir = tempfile.mkdtemp(prefix="jaxinfer-jax-cache-")
+    log_path = os.path.join(cache_dir + "-server.log")
+    rows = []
+    try:
+        if args.no_cache_run:
+            rows.append(("no cache", time_to_ready(args.model, [*extra, "--no-compilation-cache"],
+                                                   args.timeout, log_path), 0.0))
+        with_cache = [*extra, "--compilation-cache-dir", cache_dir]
+        cold = time_to_ready(args.model, with_cache, args.timeout, log_path)
+        rows.append(("cold (empty cache)", cold, dir_size_mb(cache_dir)))
+        for i in range(args.runs):
+            warm = time_to_ready(args.model, with_cache, args.timeout, log_path)
+            rows.append((f"warm #{i + 1}", warm, dir_size_mb(cache_dir)))
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        if os.path.exists(log_path):
+            os.unlink(log_path)
+    print(f"\nstartup of `jaxinfer serve {args.model} {' '.join(extra)}` to a ready /health")
+    print(f"{'run':<20} {'seconds':>9} {'cache MB':>9}")
+    for name, secs, mb in rows:
+        print(f"{name:<20} {secs:>9.1f} {mb:>9.1f}")
+    warm_best = min(s for n, s, _ in rows if n.startswith("warm"))
+    print(f"cold / warm: {cold / warm_best:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
