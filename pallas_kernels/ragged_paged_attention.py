@@ -454,6 +454,7 @@ def merge_kv_splits(o, m, l):
 # ----------------------------------------------------------------------------------------------
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, Hq, D]
     k_cache: jax.Array,  # [L, N, page_size, Hkv, D]
