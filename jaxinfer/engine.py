@@ -16,7 +16,7 @@ from jaxinfer.runtime.runner import ModelRunner, device_memory_bytes_free, kv_dt
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.sched.scheduler import Scheduler
 from jaxinfer.sched.stats import SchedulerStats
-from jaxinfer.sched.step_input import make_step_input
+from jaxinfer.sched.step_input import StepBuckets, make_step_input, warmup_step_inputs
 from jaxinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class LLMEngine:
         eos_ids = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(self.engine_config, self.num_pages, self.max_model_len, eos_ids)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.buckets = StepBuckets.coarse(self.engine_config, self.max_model_len)
         self.num_steps = 0
         logger.info(
             "KV cache: %d pages of %d tokens = %d tokens (%.1f MiB)",
@@ -143,7 +144,8 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return self.outputs.drain_aborted()
-        step_input = make_step_input(sched_out, self.engine_config, self.max_model_len)
+        step_input = make_step_input(sched_out, self.engine_config, self.max_model_len,
+                                     buckets=self.buckets)
         runner_out = self.runner.execute(step_input)
         updated = self.scheduler.update(sched_out, runner_out)
         self.num_steps += 1
@@ -151,10 +153,9 @@ class LLMEngine:
 
     def warmup(self) -> None:
         """Compiles every shape bucket now, so no request waits through a compile."""
-        from jaxinfer.sched.step_input import warmup_step_inputs
-
         t0 = time.perf_counter()
-        for step_input in warmup_step_inputs(self.engine_config, self.max_model_len):
+        for step_input in warmup_step_inputs(self.engine_config, self.max_model_len,
+                                             buckets=self.buckets):
             self.runner.execute(step_input)
         logger.info("warm-up: %d executables in %.1f s", self.runner.num_compilations,
                     time.perf_counter() - t0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxinfer.request import CompletionOutput, Request, RequestOutput
-from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, check_stop
+from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, check_stop, stop_holdback_len
 
 
 @dataclasses.dataclass
@@ -50,11 +50,13 @@ class OutputProcessor:
     def _detokenize(self, track: _Track, scheduler) -> None:
         req = track.request
         new_ids = req.output_token_ids[track.detok.num_tokens_seen:]
-        if new_ids:
-            track.text += track.detok.add(new_ids)
+        delta = track.detok.add(new_ids) if new_ids else ""
+        if req.is_finished():
+            delta += track.detok.flush()
+        track.text += delta
         stops = req.sampling_params.stop_list()
-        if stops and track.stopped_text is None:
-            truncated, matched = check_stop(track.text, stops,
+        if stops and delta and track.stopped_text is None:
+            truncated, matched = check_stop(track.text, stops, num_new_chars=len(delta),
                                             include=req.sampling_params.include_stop_str_in_output)
             if matched is not None:
                 track.stopped_text = truncated
@@ -67,14 +69,11 @@ class OutputProcessor:
         finished = req.is_finished()
         if track.stopped_text is not None:
             text = track.stopped_text
-        elif finished:
-            text = track.text + track.detok.flush()
-            track.text = text
         else:
             text = track.text
             stops = req.sampling_params.stop_list()
-            if stops:  # hold back a tail that may still become a stop string
-                text = text[: len(text) - _stop_prefix_overlap(text, stops)]
+            if stops and not finished:  # hold back a tail that may still become a stop string
+                text = text[: len(text) - stop_holdback_len(text, stops)]
         completion = CompletionOutput(
             index=0,
             text=text,
@@ -92,13 +91,3 @@ class OutputProcessor:
             metrics=req.metrics(),
         )
 
-
-def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best

@@ -50,12 +50,19 @@ def _pick(buckets: tuple[int, ...], n: int, name: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class StepBuckets:
-    """The padded sizes a step may take. Any ascending tuples work (e.g. one fixed page width)."""
+    """The padded sizes a step may take. Any ascending tuples work (e.g. one fixed page width).
+
+    With `coarse_seqs` (what the engine uses) S is not free: it is the smallest seq bucket when the
+    step has that few sequences, else min(T, the largest seq bucket). Each T then has at most two
+    S, so the executables number about 2x the token buckets instead of their product; padded rows
+    cost one LM-head row each, small beside the T tokens of the step.
+    """
 
     page_size: int
     token_buckets: tuple[int, ...]  # T
     seq_buckets: tuple[int, ...]  # S (== R)
     page_buckets: tuple[int, ...]  # P
+    coarse_seqs: bool = False
 
     @classmethod
     def from_config(cls, engine_config: EngineConfig, max_model_len: int, *,
@@ -70,13 +77,39 @@ class StepBuckets:
             page_buckets=_powers_of_2(min_pages_per_seq, -(-max_model_len // ps)),
         )
 
+    @classmethod
+    def coarse(cls, engine_config: EngineConfig, max_model_len: int, *,
+               min_num_tokens: int = MIN_NUM_TOKENS) -> "StepBuckets":
+        """Few executables: T powers of two, S coarse (see above), P one fixed width (the
+        attention's work follows the real context lengths, not P)."""
+        ps = engine_config.page_size
+        max_seqs = min(engine_config.max_num_seqs, engine_config.max_num_batched_tokens)
+        small = min(min_num_tokens, next_power_of_2(max_seqs))
+        seq_buckets = _powers_of_2(small, max_seqs)
+        return cls(
+            page_size=ps,
+            token_buckets=_powers_of_2(min_num_tokens, engine_config.max_num_batched_tokens),
+            seq_buckets=seq_buckets,
+            page_buckets=(-(-max_model_len // ps),),
+            coarse_seqs=True,
+        )
+
+    def _seq_bucket(self, num_tokens_bucket: int, num_seqs: int) -> int:
+        if not self.coarse_seqs or num_seqs <= self.seq_buckets[0]:
+            return _pick(self.seq_buckets, num_seqs, "num_seqs")
+        return _pick(self.seq_buckets, min(num_tokens_bucket, self.seq_buckets[-1]), "num_seqs")
+
     def pick(self, num_tokens: int, num_seqs: int, pages_per_seq: int) -> tuple[int, int, int]:
-        return (_pick(self.token_buckets, num_tokens, "num_tokens"),
-                _pick(self.seq_buckets, num_seqs, "num_seqs"),
+        t = _pick(self.token_buckets, num_tokens, "num_tokens")
+        return (t, self._seq_bucket(t, num_seqs),
                 _pick(self.page_buckets, pages_per_seq, "pages_per_seq"))
 
     def all_shapes(self) -> list[tuple[int, int, int]]:
         """Every (T, S, P) `pick` can return (a step has at least one token per sequence)."""
+        if self.coarse_seqs:
+            ts = sorted({(t, self._seq_bucket(t, n)) for t in self.token_buckets
+                         for n in (1, min(t, self.seq_buckets[-1]))})
+            return [(t, s, p) for t, s in ts for p in self.page_buckets]
         return [(t, s, p) for t in self.token_buckets for s in self.seq_buckets
                 if s <= max(t, self.seq_buckets[0]) for p in self.page_buckets]
 
