@@ -82,11 +82,11 @@ LOGITS_SMALL = np.log(PROBS_SMALL).astype(np.float32) + 1.5
 
 def test_greedy_is_exact_argmax():
     rng = np.random.default_rng(0)
-    logits = rng.normal(size=(8, 64)).astype(np.float32) * 3
+    logits = rng.normal(size=(16, 64)).astype(np.float32) * 3  # (16, 64): shared executables
     # near-ties within float32: argmax must still be exact (first max on exact ties)
     logits[3, 10] = logits[3].max() + np.float32(1e-6)
     logits[4, :] = 0.0
-    md = _md(8, temperature=0.0, top_k=5, top_p=0.5, min_p=0.3, seeds=np.arange(8))
+    md = _md(16, temperature=0.0, top_k=5, top_p=0.5, min_p=0.3, seeds=np.arange(16))
     for flags in (dict(), dict(needs_sort=False), dict(all_greedy=True)):
         out = _sample(jnp.asarray(logits), md, **flags)
         np.testing.assert_array_equal(np.asarray(out.token_ids), np.argmax(logits, axis=-1))
@@ -95,9 +95,9 @@ def test_greedy_is_exact_argmax():
 
 def test_greedy_rows_in_a_mixed_batch():
     rng = np.random.default_rng(1)
-    logits = rng.normal(size=(6, 32)).astype(np.float32)
-    temperature = np.array([0.0, 1.0, 0.0, 0.8, 0.0, 1e-7], np.float32)
-    out = _sample(jnp.asarray(logits), _md(6, temperature=temperature, seeds=np.arange(6)))
+    logits = rng.normal(size=(16, 64)).astype(np.float32)
+    temperature = np.tile(np.array([0.0, 1.0, 0.0, 0.8, 0.0, 1e-7, 2.0, 0.0], np.float32), 2)
+    out = _sample(jnp.asarray(logits), _md(16, temperature=temperature, seeds=np.arange(16)))
     greedy = temperature < sampler.GREEDY_EPS
     np.testing.assert_array_equal(np.asarray(out.token_ids)[greedy], np.argmax(logits, -1)[greedy])
 
@@ -154,11 +154,11 @@ def test_static_flags_do_not_change_unaffected_rows():
 
 
 def test_seed_and_position_drive_the_draw():
-    logits = jnp.asarray(np.zeros((64, 16), np.float32))
-    same = _sample(logits, _md(64, temperature=1.0, seeds=5, positions=9)).token_ids
+    logits = jnp.asarray(np.zeros((16, 64), np.float32))
+    same = _sample(logits, _md(16, temperature=1.0, seeds=5, positions=9)).token_ids
     assert len(set(np.asarray(same).tolist())) == 1
-    by_seed = _sample(logits, _md(64, temperature=1.0, seeds=np.arange(64), positions=9)).token_ids
-    by_pos = _sample(logits, _md(64, temperature=1.0, seeds=5, positions=np.arange(64))).token_ids
+    by_seed = _sample(logits, _md(16, temperature=1.0, seeds=np.arange(16), positions=9)).token_ids
+    by_pos = _sample(logits, _md(16, temperature=1.0, seeds=5, positions=np.arange(16))).token_ids
     assert len(set(np.asarray(by_seed).tolist())) > 8
     assert len(set(np.asarray(by_pos).tolist())) > 8
 
