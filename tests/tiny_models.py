@@ -188,3 +188,40 @@ def gguf_roundtrip(array: np.ndarray, tensor_type: str) -> np.ndarray:
     if qtype == gguf.GGMLQuantizationType.F32:
         return np.asarray(array, np.float32)
     return gguf.quants.dequantize(gguf.quants.quantize(np.asarray(array, np.float32), qtype), qtype)
+
+
+def paged_batch(seqs, *, page_size: int, num_tokens: int, num_seqs: int, pages_per_seq: int):
+    """One padded step of a flat ragged batch, as the engine's step input would lay it out.
+
+    seqs: list of (new_token_ids, num_computed_tokens, page_ids) per sequence; token i of sequence s
+    sits at position num_computed + i and is written to slot page_ids[pos // ps] * ps + pos % ps.
+    Padding tokens write into the null page 0 at position 0; padding sequences have q_len 0.
+    Returns (input_ids i32[T], positions i32[T], AttentionMetadata), as jnp arrays.
+    """
+    import jax.numpy as jnp
+
+    from jaxinfer.runtime.kv_cache import AttentionMetadata
+
+    input_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slots = np.arange(num_tokens, dtype=np.int32) % page_size  # padding: the null page
+    cu_q_lens = np.zeros(num_seqs + 1, np.int32)
+    kv_lens = np.zeros(num_seqs, np.int32)
+    page_indices = np.zeros((num_seqs, pages_per_seq), np.int32)
+    t = 0
+    for s, (token_ids, num_computed, page_ids) in enumerate(seqs):
+        assert len(page_ids) <= pages_per_seq and 0 not in page_ids
+        for i, token in enumerate(token_ids):
+            pos = num_computed + i
+            input_ids[t], positions[t] = token, pos
+            slots[t] = page_ids[pos // page_size] * page_size + pos % page_size
+            t += 1
+        cu_q_lens[s + 1] = t
+        kv_lens[s] = num_computed + len(token_ids)
+        page_indices[s, :len(page_ids)] = page_ids
+    assert t <= num_tokens
+    cu_q_lens[len(seqs) + 1:] = t
+    md = AttentionMetadata(slot_mapping=jnp.asarray(slots), cu_q_lens=jnp.asarray(cu_q_lens),
+                           kv_lens=jnp.asarray(kv_lens), page_indices=jnp.asarray(page_indices),
+                           num_seqs=jnp.asarray([len(seqs)], jnp.int32))
+    return jnp.asarray(input_ids), jnp.asarray(positions), md
