@@ -30,13 +30,13 @@ def _rel_err(a, b):
 
 
 @pytest.mark.parametrize("bits,group_size,symmetric", CASES)
-@pytest.mark.parametrize("m", [1, 5, 19])
+@pytest.mark.parametrize("m", [1, 19])  # 19: two row tiles of 16, the second padded
 def test_matches_reference(bits, group_size, symmetric, m):
     k, n = 256, 128
     qw = _weight(bits, group_size, symmetric, k, n)
     x = jax.random.normal(jax.random.key(m), (m, k), jnp.float32)
     got = quant_matmul(x, qw.values, qw.scales, qw.mins, bits=bits, group_size=qw.group_size,
-                       interpret=True)
+                       block_m=16, interpret=True)
     want = quant_matmul_reference(x, qw.values, qw.scales, qw.mins, bits=bits,
                                   group_size=qw.group_size)
     assert got.shape == (m, n) and got.dtype == x.dtype

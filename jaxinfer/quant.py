@@ -1,0 +1,321 @@
+"""Weight-only quantization: int8 (per output channel or group-wise) and int4 group-wise (packed).
+
+A weight is used as `x @ w` with `w: [K, N]` (K = in features, contracted; N = out features).
+Groups run along K (the contraction axis), one scale per (group, output channel), like GGUF blocks.
+
+Storage (`QuantizedWeight`; array leaves may carry leading stacked dims, e.g. `[L, ...]` for
+layers under `lax.scan`):
+
+- bits=8: `values` i8[..., K, N]; w = values * scale. Per channel when group_size == K (the
+  scale is applied after the dot), group-wise otherwise (GGUF Q8_0 is group size 32).
+- bits=4: `values` u8[..., Kh, N] with Kh = ceil(K / 2): the low nibble of row i holds row i and
+  the high nibble holds row Kh + i (the two halves of K). Unpacking is two elementwise ops and the
+  product is two half-size dots, `x[:, :Kh] @ lo + x[:, Kh:] @ hi`, with no concatenation (a
+  concatenate inside the dequantising fusion was 5-10x slower on XLA CPU). Nibbles are unsigned
+  q in 0..15; symmetric: w = (q - 8) * scale (GGUF Q4_0), asymmetric: w = q * scale + min (Q4_1).
+- `scales` (and `mins`) f16/f32[..., G, N], G = ceil(K / group_size); the last group may be
+  partial (SmolLM2's K=576 is 4.5 groups of 128).
+
+Matmul on XLA: the weight is dequantised inside the jitted function and the dot reads the result.
+On XLA GPU the convert/scale fuse into the GEMM; XLA CPU (jax 0.10) runs it as one loop fusion
+(dequantise the slice the layer uses) writing a per-call f32 temp of one matrix, then the dot: the
+float weight is never resident, only one matrix's temp at a time (see benchmarks/quant.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantized `[K, N]` weight (a pytree: values/scales/mins are leaves, the rest static)."""
+
+    values: jax.Array  # i8[..., K, N] (bits=8) | u8[..., ceil(K/2), N] (bits=4, halves packed)
+    scales: jax.Array  # f16|f32[..., G, N], G = ceil(K / group_size)
+    mins: jax.Array | None  # like scales (asymmetric int4), None when symmetric
+    bits: int
+    group_size: int  # == K for per-channel int8
+    shape: tuple[int, int]  # logical (K, N) of the trailing two dims
+
+    @property
+    def num_groups(self) -> int:
+        return math.ceil(self.shape[0] / self.group_size)
+
+    @property
+    def symmetric(self) -> bool:
+        return self.mins is None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.values, self.scales, self.mins) if a is not None)
+
+    def __repr__(self):
+        kind = "sym" if self.symmetric else "asym"
+        lead = tuple(self.values.shape[:-2])
+        return (f"QuantizedWeight(int{self.bits} {kind} g{self.group_size}, "
+                f"shape={lead + self.shape}, scales={self.scales.dtype})")
+
+
+jax.tree_util.register_dataclass(
+    QuantizedWeight,
+    data_fields=["values", "scales", "mins"],
+    meta_fields=["bits", "group_size", "shape"],
+)
+
+
+def _check_weight(w) -> tuple[int, int]:
+    if w.ndim < 2:
+        raise ValueError(f"{w.shape=} must have at least 2 dims [..., K, N]")
+    return int(w.shape[-2]), int(w.shape[-1])
+
+
+def _grouped(w: jax.Array, group_size: int) -> jax.Array:
+    """f32[..., K, N] -> f32[..., G, group_size, N]; the partial last group is padded with NaN."""
+    k, n = w.shape[-2:]
+    num_groups = math.ceil(k / group_size)
+    pad = num_groups * group_size - k
+    if pad:
+        widths = [(0, 0)] * (w.ndim - 2) + [(0, pad), (0, 0)]
+        w = jnp.pad(w, widths, constant_values=jnp.nan)
+    return w.reshape(*w.shape[:-2], num_groups, group_size, n)
+
+
+def _ungrouped(q: jax.Array, k: int) -> jax.Array:
+    """[..., G, group_size, N] -> [..., K, N] (drops the padding of the last group)."""
+    return q.reshape(*q.shape[:-3], -1, q.shape[-1])[..., :k, :]
+
+
+def _safe_inverse(d: jax.Array) -> jax.Array:
+    return jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
+
+
+def quantize_int8(w, group_size: int | None = None, scale_dtype=jnp.float32) -> QuantizedWeight:
+    """Symmetric int8: per output channel (group_size None) or group-wise along K.
+
+    w: f32[..., K, N]; w ~= q * scale, q in -127..127, |error| <= scale / 2.
+    """
+    k, n = _check_weight(w)
+    group_size = k if group_size is None else int(group_size)
+    if group_size <= 0:
+        raise ValueError(f"{group_size=} must be positive")
+    return _quantize_int8(jnp.asarray(w, jnp.float32), group_size, jnp.dtype(scale_dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _quantize_int8(w, group_size, scale_dtype):
+    k, n = w.shape[-2:]
+    g = _grouped(w, group_size)  # [..., G, gs, N]
+    absmax = jnp.nanmax(jnp.abs(g), axis=-2)  # [..., G, N]
+    scales = (absmax / 127.0).astype(scale_dtype)
+    inv = _safe_inverse(scales.astype(jnp.float32))
+    q = jnp.clip(jnp.round(g * inv[..., None, :]), -127, 127)
+    q = jnp.nan_to_num(q).astype(jnp.int8)
+    return QuantizedWeight(_ungrouped(q, k), scales, None, 8, group_size, (k, n))
+
+
+def pack_int4(q: jax.Array) -> jax.Array:
+    """u8[..., K, N] nibbles (0..15) -> u8[..., ceil(K/2), N]: row i low, row Kh + i high."""
+    k = q.shape[-2]
+    kh = (k + 1) // 2
+    q = q.astype(jnp.uint8)
+    lo, hi = q[..., :kh, :], q[..., kh:, :]
+    if hi.shape[-2] < kh:  # odd K: the last high nibble is padding
+        widths = [(0, 0)] * (q.ndim - 2) + [(0, kh - hi.shape[-2]), (0, 0)]
+        hi = jnp.pad(hi, widths)
+    return lo | (hi << 4)
+
+
+def unpack_int4(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """u8[..., Kh, N] -> (lo u8[..., Kh, N] = rows 0..Kh-1, hi u8[..., K - Kh, N] = rows Kh..K-1)."""
+    kh = values.shape[-2]
+    return values & 15, (values >> 4)[..., : k - kh, :]
+
+
+def quantize_int4(w, group_size: int = 32, symmetric: bool = True,
+                  scale_dtype=jnp.float16) -> QuantizedWeight:
+    """Group-wise int4 along K, packed two per byte.
+
+    Symmetric (Q4_0 style): scale = (the group's value of largest magnitude) / -8, so that value
+    maps to q = 0 exactly; w ~= (q - 8) * scale, |error| <= |scale| (<= |scale|/2 except for a
+    value of the opposite sign and the same magnitude, clipped to q = 15).
+    Asymmetric (Q4_1 style): scale = (max - min) / 15, w ~= q * scale + min, |error| <= scale / 2
+    (plus the rounding of scale and min to scale_dtype).
+    """
+    _check_weight(w)
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"{group_size=} must be one of {INT4_GROUP_SIZES}")
+    return _quantize_int4(jnp.asarray(w, jnp.float32), group_size, bool(symmetric),
+                          jnp.dtype(scale_dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _quantize_int4(w, group_size, symmetric, scale_dtype):
+    k, n = w.shape[-2:]
+    g = _grouped(w, group_size)  # [..., G, gs, N]
+    filled = jnp.nan_to_num(g, nan=0.0)
+    if symmetric:
+        idx = jnp.argmax(jnp.abs(filled), axis=-2, keepdims=True)
+        extreme = jnp.take_along_axis(filled, idx, axis=-2)[..., 0, :]  # [..., G, N]
+        scales = (extreme / -8.0).astype(scale_dtype)
+        inv = _safe_inverse(scales.astype(jnp.float32))
+        q = jnp.clip(jnp.round(g * inv[..., None, :]) + 8, 0, 15)
+        mins = None
+    else:
+        lo = jnp.nanmin(g, axis=-2)
+        hi = jnp.nanmax(g, axis=-2)
+        mins = lo.astype(scale_dtype)
+        scales = ((hi - mins.astype(jnp.float32)) / 15.0).astype(scale_dtype)
+        inv = _safe_inverse(scales.astype(jnp.float32))
+        q = jnp.clip(jnp.round((g - mins.astype(jnp.float32)[..., None, :]) * inv[..., None, :]), 0, 15)
+    q = jnp.nan_to_num(q).astype(jnp.uint8)
+    return QuantizedWeight(pack_int4(_ungrouped(q, k)), scales, mins, 4, group_size, (k, n))
+
+
+def _row_params(a: jax.Array, group_size: int, start: int, stop: int, dtype) -> jax.Array:
+    """Per-group [..., G, N] -> per-row [..., stop - start, N] for rows start..stop-1 of K."""
+    rows = jnp.repeat(a.astype(dtype), group_size, axis=-2, total_repeat_length=a.shape[-2] * group_size)
+    return rows[..., start:stop, :]
+
+
+def _dequantize_rows(qw: QuantizedWeight, q: jax.Array, start: int, stop: int, dtype) -> jax.Array:
+    """Integer rows start..stop-1 of K ([..., stop-start, N]) -> float rows of the weight."""
+    gs = qw.group_size
+    scale = _row_params(qw.scales, gs, start, stop, dtype)
+    if qw.bits == 8:
+        return q.astype(dtype) * scale
+    if qw.mins is None:
+        return (q.astype(jnp.int8) - 8).astype(dtype) * scale
+    return q.astype(dtype) * scale + _row_params(qw.mins, gs, start, stop, dtype)
+
+
+def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """QuantizedWeight -> dtype[..., K, N]. In float32 this equals gguf.quants.dequantize
+    bit-exactly for weights imported from Q8_0 / Q4_0 / Q4_1."""
+    return _dequantize(qw, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _dequantize(qw: QuantizedWeight, dtype) -> jax.Array:
+    k, _ = qw.shape
+    if qw.bits == 8:
+        return _dequantize_rows(qw, qw.values, 0, k, dtype)
+    kh = qw.values.shape[-2]
+    lo, hi = unpack_int4(qw.values, k)
+    return jnp.concatenate(
+        [_dequantize_rows(qw, lo, 0, kh, dtype), _dequantize_rows(qw, hi, kh, k, dtype)], axis=-2)
+
+
+def quantized_matmul(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
+    """x: [..., K] @ the [K, N] weight -> [..., N] in x.dtype (XLA path; use under jax.jit).
+
+    The weight must be a single matrix (no stacked leading dims: slice the layer first)."""
+    k, n = qw.shape
+    if qw.values.ndim != 2:
+        raise ValueError(f"{qw.values.shape=} must be 2-D (slice stacked layers before the matmul)")
+    if x.shape[-1] != k:
+        raise ValueError(f"{x.shape=} must end in K={k}")
+    dtype = x.dtype
+    if qw.bits == 8 and qw.group_size >= k:  # per channel: scale after the dot
+        return (x @ qw.values.astype(dtype)) * qw.scales[0].astype(dtype)
+    if qw.bits == 8:
+        return x @ _dequantize_rows(qw, qw.values, 0, k, dtype)
+    kh = qw.values.shape[-2]
+    lo, hi = unpack_int4(qw.values, k)
+    y = x[..., :kh] @ _dequantize_rows(qw, lo, 0, kh, dtype)
+    if k > kh:
+        y = y + x[..., kh:] @ _dequantize_rows(qw, hi, kh, k, dtype)
+    return y
+
+
+def quantized_embedding(qw: QuantizedWeight, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """Rows of the transposed weight: for a tied embedding stored as the LM head ([hidden, vocab]),
+    ids: i32[T] -> dtype[T, hidden]. Gathers the columns, then dequantises only those."""
+    if qw.values.ndim != 2:
+        raise ValueError(f"{qw.values.shape=} must be 2-D")
+    cols = QuantizedWeight(
+        jnp.take(qw.values, ids, axis=-1), jnp.take(qw.scales, ids, axis=-1),
+        None if qw.mins is None else jnp.take(qw.mins, ids, axis=-1),
+        qw.bits, qw.group_size, (qw.shape[0], int(ids.shape[0])))
+    return dequantize(cols, dtype).T
+
+
+def permute_output_channels(qw: QuantizedWeight, perm) -> QuantizedWeight:
+    """Reorder the N (output) axis: per-channel quantization commutes with a row permutation of
+    the [N, K] matrix (e.g. undoing llama.cpp's Q/K head permutation)."""
+    perm = np.asarray(perm)
+    if sorted(perm.tolist()) != list(range(qw.shape[1])):
+        raise ValueError(f"perm must be a permutation of range({qw.shape[1]})")
+    take = lambda a: None if a is None else jnp.take(a, perm, axis=-1)  # noqa: E731
+    return dataclasses.replace(qw, values=take(qw.values), scales=take(qw.scales), mins=take(qw.mins))
+
+
+def stack(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Per-layer weights -> one QuantizedWeight with a leading [L] axis (for lax.scan)."""
+    first = weights[0]
+    for w in weights[1:]:
+        if (w.bits, w.group_size, w.shape, w.mins is None) != (
+                first.bits, first.group_size, first.shape, first.mins is None):
+            raise ValueError(f"cannot stack {w!r} with {first!r}")
+    return jax.tree.map(lambda *a: jnp.stack(a), *weights)
+
+
+def quantize(w, method: str, group_size: int = 32, symmetric: bool = True) -> QuantizedWeight:
+    """method: "int8" (per channel) | "int4" (group-wise, packed)."""
+    if method == "int8":
+        return quantize_int8(w)
+    if method == "int4":
+        return quantize_int4(w, group_size, symmetric)
+    raise ValueError(f"{method=} must be int8 or int4")
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF import: Q8_0 / Q4_0 / Q4_1 blocks -> QuantizedWeight, integer ops only (no float round trip)
+
+GGUF_QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+_GGUF_BLOCK = 32
+
+
+def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantizedWeight:
+    """Raw GGUF bytes of a 2-D tensor -> the `[K, N]` (transposed) QuantizedWeight.
+
+    data: u8[N, K / 32 * bytes_per_block] as `gguf.GGUFReader` gives it (rows = output channels);
+    type_name: "Q8_0" | "Q4_0" | "Q4_1"; shape: (N, K), the numpy shape of the float tensor
+    (GGUF's `tensor.shape` reversed). Scales and minimums keep their f16 storage.
+    """
+    if type_name not in GGUF_QUANT_TYPES:
+        raise ValueError(f"{type_name=} must be one of {GGUF_QUANT_TYPES}")
+    n, k = (int(s) for s in shape)
+    if k % _GGUF_BLOCK:
+        raise ValueError(f"{shape=}: K must be a multiple of {_GGUF_BLOCK}")
+    num_groups = k // _GGUF_BLOCK
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, num_groups, -1)
+    scales = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0]  # f16[N, G]
+    if type_name == "Q8_0":
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)  # i8[N, K]
+        return QuantizedWeight(jnp.asarray(q.T), jnp.asarray(scales.T), None, 8, _GGUF_BLOCK, (k, n))
+    mins = None
+    qs = blocks[..., 2:]
+    if type_name == "Q4_1":
+        mins = jnp.asarray(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].T)
+        qs = blocks[..., 4:]
+    # a GGUF block holds elements j (low nibble) and j + 16 (high nibble) in byte j
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k)  # u8[N, K] nibbles
+    values = pack_int4(jnp.asarray(q.T))
+    return QuantizedWeight(values, jnp.asarray(scales.T), mins, 4, _GGUF_BLOCK, (k, n))
+
+
+def from_gguf_tensor(tensor) -> QuantizedWeight:
+    """A `gguf.GGUFReader` tensor (ReaderTensor) of type Q8_0 / Q4_0 / Q4_1 -> QuantizedWeight."""
+    shape = tuple(int(s) for s in reversed(tensor.shape.tolist()))
+    if len(shape) != 2:
+        raise ValueError(f"{tensor.name}: {shape=} must be 2-D")
+    return from_gguf(tensor.data, tensor.tensor_type.name, shape)
