@@ -158,7 +158,7 @@ class StepInput:
     # optional parts (None unless some row needs them; their widths are extra buckets)
     prompt_token_ids: np.ndarray | None = None  # i32[R, Wp] -1 padded (repetition penalty)
     output_token_ids: np.ndarray | None = None  # i32[R, Wo] -1 padded (all penalties)
-    bias_token_ids: np.ndarray | None = None  # i32[R, B] (pad: id 0 with value 0: add, never set)
+    bias_token_ids: np.ndarray | None = None  # i32[R, B] -1 padded (values 0 there): add, never set
     bias_values: np.ndarray | None = None  # f32[R, B] logit_bias, and -inf on EOS/stop ids < min_tokens
 
     @property
@@ -304,7 +304,7 @@ def _fill_optional(si: StepInput, sched_out: SchedulerOutput) -> None:
     biases = [_row_bias(it, sched_out.eos_token_ids) for it in items]
     if any(biases):
         width = next_power_of_2(max(MIN_HISTORY_WIDTH, max(len(b) for b in biases)))
-        si.bias_token_ids = np.zeros((num_rows, width), np.int32)
+        si.bias_token_ids = np.full((num_rows, width), -1, np.int32)
         si.bias_values = np.zeros((num_rows, width), np.float32)
         for r, b in enumerate(biases):
             si.bias_token_ids[r, :len(b)] = list(b.keys())

@@ -70,12 +70,14 @@ def make_request(rid: str, prompt, **sp) -> Request:
 class Harness:
     """Scheduler + FakeRunner + make_step_input, checking invariants around every step."""
 
-    def __init__(self, num_pages=16, max_model_len=32, eos=(EOS,), vocab_size=64, policy="fcfs", **cfg):
+    def __init__(self, num_pages=16, max_model_len=32, eos=(EOS,), vocab_size=64, policy="fcfs",
+                 coarse_buckets=False, **cfg):
         self.config = make_config(**cfg)
         self.max_model_len = max_model_len
         self.sched = Scheduler(self.config, num_pages, max_model_len, eos, policy=policy)
         self.runner = FakeRunner(num_pages, self.config.page_size, vocab_size)
-        self.buckets = StepBuckets.from_config(self.config, max_model_len)
+        make_buckets = StepBuckets.coarse if coarse_buckets else StepBuckets.from_config
+        self.buckets = make_buckets(self.config, max_model_len)
         self.finished: dict[str, Request] = {}
 
     def add(self, req: Request) -> Request:

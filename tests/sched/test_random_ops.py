@@ -20,6 +20,7 @@ CONFIGS = st.fixed_dictionaries({
     "enable_prefix_caching": st.booleans(),
     "scheduling": st.sampled_from(["continuous", "static"]),
     "policy": st.sampled_from(["fcfs", "priority"]),
+    "coarse_buckets": st.booleans(),
 })
 
 
@@ -44,7 +45,7 @@ def test_random_operations_keep_invariants_and_free_every_page(seed, cfg):
     h = Harness(num_pages=num_pages, max_model_len=MAX_MODEL_LEN, page_size=ps,
                 max_num_seqs=cfg["max_num_seqs"], max_num_batched_tokens=cfg["max_num_batched_tokens"],
                 enable_prefix_caching=cfg["enable_prefix_caching"], scheduling=cfg["scheduling"],
-                policy=cfg["policy"])
+                policy=cfg["policy"], coarse_buckets=cfg["coarse_buckets"])
     sched = h.sched
     families = [[rng.randint(2, 63) for _ in range(12)] for _ in range(3)]
     specs, interrupted, n_added = {}, set(), 0

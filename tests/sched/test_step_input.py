@@ -143,3 +143,25 @@ def test_empty_step_input_only_touches_the_null_page():
     si = empty_step_input(16, 4, 2, page_size=8)
     assert si.slot_mapping.max() < 8 and si.num_seqs.tolist() == [0]
     assert si.cu_q_lens.tolist() == [0] * 5 and not si.page_indices.any()
+
+
+def test_coarse_buckets_cover_every_step_with_few_shapes():
+    cfg = make_config(page_size=16, max_num_seqs=64, max_num_batched_tokens=512)
+    b = StepBuckets.coarse(cfg, 8192)
+    shapes = b.all_shapes()
+    assert len(shapes) == len(set(shapes)) <= 2 * len(b.token_buckets)
+    assert {p for _, _, p in shapes} == {512}
+    for t in range(1, 513, 7):
+        for s in range(1, min(t, 64) + 1, 3):
+            T, S, P = b.pick(t, s, 1 + t % 512)
+            assert (T, S, P) in set(shapes) and T >= t and S >= s
+    assert b.pick(3, 1, 1) == (8, 8, 512) and b.pick(100, 20, 3) == (128, 64, 512)
+
+
+def test_make_step_input_with_coarse_buckets():
+    cfg = make_config(page_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    reqs = [make_request(n, range(10 * i + 10, 10 * i + 13)) for i, n in enumerate("abc")]
+    _, out = schedule_one_step(cfg, reqs)
+    si = make_step_input(out, cfg, 64, buckets=StepBuckets.coarse(cfg, 64))
+    assert si.shape == (16, 4, 16)
+    assert si.kv_lens.tolist() == [3, 3, 3, 0] and si.page_indices[:, 1:].sum() == 0
