@@ -16,9 +16,9 @@ page table, with an online softmax. q tiles are gathered into a padded `[num_til
 array and the output comes back the same way, so the kernel never reads or writes out of bounds
 and needs no masked loads or stores: every program owns its output block.
 
-Decode (`max_q_len=1`): one token per tile, and the context is split across `num_kv_splits`
-programs (flash-decoding); each writes a normalised partial output with its max and sum, merged
-in jnp.
+Decode (`max_q_len=1`, or a decode-like bucket T <= 2 S): one token per tile, and the context is
+split across `num_kv_splits` programs (flash-decoding); each writes a normalised partial output
+with its max and sum, merged in jnp.
 
 Portable subset only (`pl.pallas_call`, `BlockSpec`, ref indexing with scalars, `pl.ds` and an
 index vector, `jnp`, `lax.fori_loop`), so the same kernel runs with `interpret=True` on the CPU
@@ -76,12 +76,20 @@ def choose_config(
     pages_per_seq: int, max_q_len: int | None, q_rows: int, kv_chunk_size: int | None,
     num_kv_splits: int | None, target_programs: int = 528,
 ) -> KernelConfig:
-    """Pick the tiling. `target_programs` ~ 4 programs per SM of an H100/H200 (132 SMs)."""
+    """Pick the tiling. `target_programs` ~ 4 programs per SM of an H100/H200 (132 SMs).
+
+    Any tile size is correct (the tile count bound follows it); one-token tiles are chosen for
+    decode (`max_q_len=1`) and for decode-like buckets (T <= 2 S), and only then is the context
+    split over programs (flash-decoding): a tile's partials are merged per row, so splitting would
+    be right for any tile, it just pays only when there are few programs.
+    """
     group_pad = _next_pow2(group)
-    decode = max_q_len == 1
     tile_tokens = max(1, q_rows // group_pad)
     if max_q_len is not None:
         tile_tokens = min(tile_tokens, _next_pow2(max_q_len))
+    elif num_tokens <= 2 * num_seqs:  # decode-like bucket: one token per tile wastes nothing
+        tile_tokens = 1
+    decode = tile_tokens == 1
     rows = max(MIN_DOT_SIZE, tile_tokens * group_pad)
     # Every tile holds >= 1 token; sum_s cdiv(q_s, B) <= (T + nonempty * (B - 1)) / B.
     num_tiles = min(num_tokens, (num_tokens + min(num_seqs, num_tokens) * (tile_tokens - 1)) // tile_tokens)
@@ -346,9 +354,10 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, Hq, D]
     """Attention of the step's new tokens over their paged context; returns [T, Hq, D].
 
-    `max_q_len` (static) is an upper bound on any sequence's new tokens in this batch; it must be
-    right (a larger q_len is silently cut). `max_q_len=1` selects the decode kernel that splits
-    the context over `num_kv_splits` programs (auto when None). Tokens of no real sequence
+    `max_q_len` (static, optional) is an upper bound on any sequence's new tokens in this batch;
+    it must be right (a larger q_len is silently cut). `max_q_len=1`, or a bucket with T <= 2 S,
+    selects one-token tiles and the decode kernel that splits the context over `num_kv_splits`
+    programs (auto when None). Tokens of no real sequence
     (padding beyond `cu_q_lens[num_seqs]`) get zeros. `interpret=None` interprets unless the
     default backend is a GPU. Raises NotImplementedError for what the compiled kernel can't do.
     """

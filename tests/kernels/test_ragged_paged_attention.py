@@ -68,6 +68,14 @@ def test_decode_split_kv(page_size, group, num_kv_splits):
     assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
 
 
+def test_decode_like_bucket_with_a_prefill():
+    """T <= 2 S without max_q_len: one-token tiles and split context, also for a 9-token prefill."""
+    batch = make_paged_batch(4, q_lens=[9, 1, 1, 1, 1, 1], kv_lens=[9, 70, 1, 16, 33, 2], page_size=16,
+                             head_dim=64, num_kv_heads=2, group=4, num_seqs_pad=8, num_tokens_pad=16)
+    out, ref = run(batch)
+    assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
+
+
 def test_verification_tiles():
     """1 + k speculative verification: max_q_len=4 gives 4-token tiles."""
     batch = make_paged_batch(3, q_lens=[4, 4, 1, 3], kv_lens=[4, 30, 9, 64], page_size=16,
@@ -140,6 +148,9 @@ def test_choose_config_bounds():
                         pages_per_seq=64, max_q_len=1, q_rows=64, kv_chunk_size=None, num_kv_splits=None)
     assert (dec.tile_tokens, dec.rows, dec.num_tiles, dec.pages_per_chunk) == (1, 16, 8, 16)
     assert dec.num_kv_splits == 4  # capped by the 4 chunks of a full page table
+    like = choose_config(num_tokens=16, num_seqs=8, num_kv_heads=8, group=4, page_size=16,
+                         pages_per_seq=512, max_q_len=None, q_rows=64, kv_chunk_size=None, num_kv_splits=None)
+    assert (like.tile_tokens, like.num_tiles, like.num_kv_splits) == (1, 16, 8)  # 16 * 8 * 8 >= 528 programs
 
 
 def _small_batch(dtype=jnp.float32):

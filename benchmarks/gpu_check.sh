@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One prepared check for a GPU machine (jax with CUDA installed system-wide; nothing to install).
+# Run from anywhere:  bash benchmarks/gpu_check.sh      (writes into $OUT when set)
+#   1. the kernel tests compiled for the GPU (JAXINFER_KERNEL_INTERPRET=0), NaN-poisoned pages
+#   2. kernel_bench.py: device checks vs the reference, then decode/prefill timings beside
+#      jax's paged_attention and the XLA path, with the copy bandwidth of the same run.
+# Budget: ~4.5 minutes in all (each step has its own timeout).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT="${OUT:-/tmp/gpu_check}"
+mkdir -p "$OUT"
+status=0
+
+{ nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv || true; } | tee "$OUT/gpu.txt"
+python -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())" \
+  | tee -a "$OUT/gpu.txt"
+
+echo "== tests/kernels compiled on the GPU"
+timeout 110 env JAXINFER_KERNEL_INTERPRET=0 python -m pytest tests/kernels -q -p no:cacheprovider \
+  --durations=5 2>&1 | tee "$OUT/pytest_kernels_gpu.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "== kernel_bench (check + bench)"
+timeout 160 python benchmarks/kernel_bench.py --check --bench --budget-s 120 --out "$OUT" 2>&1 \
+  | tee "$OUT/kernel_bench.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+
+echo "gpu_check status=$status (outputs in $OUT)"
+exit $status
