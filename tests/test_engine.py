@@ -79,8 +79,9 @@ def test_small_pool_preempts_and_matches_large_pool(tiny_llama_dir, tiny_llm):
     prompts = _prompts(12, np.random.default_rng(2))
     sp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     expected = _tokens(tiny_llm.generate(prompts, sp, use_tqdm=False))
-    small = LLM(tiny_llama_dir, num_pages=20, page_size=8, max_num_seqs=16,
-                max_num_batched_tokens=64, max_model_len=256)
+    # 16 usable pages of 8 tokens = 128 token slots for 12 requests of up to ~84 tokens each
+    small = LLM(tiny_llama_dir, num_pages=17, page_size=8, max_num_seqs=16,
+                max_num_batched_tokens=64, max_model_len=128)
     got = _tokens(small.generate(prompts, sp, use_tqdm=False))
     assert got == expected
     assert small.engine.metrics.num_preemptions_total > 0
