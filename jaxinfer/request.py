@@ -105,6 +105,7 @@ class Request:
     output_logprobs: list[SampledLogprobs] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are written (or being written this step)
     page_ids: list[int] = dataclasses.field(default_factory=list)  # page of position p: p // ps
+    page_table_row: int = -1  # its row in the scheduler's PageTable while running
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # of each full page
     num_registered_pages: int = 0  # page_ids[:k] are in the prefix cache (or were tried)
     num_cached_tokens: int = -1  # prefix hit at first admission; -1 until admitted

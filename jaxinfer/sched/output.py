@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jaxinfer.request import Request
 from jaxinfer.sched.stats import SchedulerStats
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledRequest:
     """One sequence (one row) of the step."""
 
@@ -34,6 +36,7 @@ class SchedulerOutput:
     preempted_request_ids: list[str]  # preempted by this schedule()
     finished_request_ids: list[str]  # finished or aborted since the previous schedule()
     eos_token_ids: frozenset[int]  # so step inputs can ban EOS before min_tokens
+    page_table: np.ndarray  # i32[max_num_seqs, max_pages_per_seq] live; row = request.page_table_row
     stats: SchedulerStats
 
     @property

@@ -26,6 +26,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.request import Request, RequestStatus, SampledLogprobs
 from jaxinfer.sched.output import ScheduledRequest, SchedulerOutput
 from jaxinfer.sched.page_pool import PagePool, extend_page_hashes
+from jaxinfer.sched.page_table import PageTable
 from jaxinfer.sched.stats import SchedulerStats
 
 POLICIES = ("fcfs", "priority")
@@ -67,6 +68,7 @@ class Scheduler:
         self.policy = policy
         self.clock = clock
         self.pool = PagePool(num_pages, page_size, engine_config.enable_prefix_caching)
+        self.page_table = PageTable(engine_config.max_num_seqs, -(-max_model_len // page_size))
         self.waiting: collections.deque[Request] = collections.deque()  # head is admitted next
         self.running: list[Request] = []  # admission order
         self._requests: dict[str, Request] = {}
@@ -146,14 +148,17 @@ class Scheduler:
     def _grow_pages(self, req, num_tokens_after, scheduled, preempted) -> bool:
         """Pages for `num_tokens_after` tokens, preempting others if needed; False if `req`
         itself had to be preempted."""
-        num_more = self._num_pages_for(num_tokens_after) - len(req.page_ids)
-        while (page_ids := self.pool.allocate(max(num_more, 0))) is None:
+        num_more = -(-num_tokens_after // self.page_size) - len(req.page_ids)
+        if num_more <= 0:
+            return True
+        while (page_ids := self.pool.allocate(num_more)) is None:
             victim = self._pick_victim(req, scheduled)
             self._preempt(victim)
             preempted.append(victim)
             if victim is req:
                 return False
         req.page_ids.extend(page_ids)
+        self.page_table.append(req.page_table_row, page_ids)
         return True
 
     def _pick_victim(self, current: Request, scheduled: list[ScheduledRequest]) -> Request:
@@ -193,6 +198,7 @@ class Scheduler:
             return None
         self.pool.acquire(hit_page_ids)  # before allocate, so these are not evicted by it
         req.page_ids = hit_page_ids + self.pool.allocate(num_new_pages)
+        req.page_table_row = self.page_table.add_row(req.page_ids)
         req.num_registered_pages = len(hit_page_ids)
         req.num_computed_tokens = num_computed
         self.pool.record_prefix_query(req.num_tokens, num_computed)
@@ -223,6 +229,7 @@ class Scheduler:
             preempted_request_ids=[r.request_id for r in preempted],
             finished_request_ids=finished_ids,
             eos_token_ids=self.eos_token_ids,
+            page_table=self.page_table.table,
             stats=self.stats(),
         )
 
@@ -234,16 +241,19 @@ class Scheduler:
         `.token_ids` (and optionally `.logprobs` f32[R], `.top_token_ids`/`.top_logprobs` [R, K]).
         Returns the requests that got a token, in row order (finished ones included)."""
         rows = _RunnerRows(runner_output)
+        token_ids = rows.token_ids(len(sched_out.scheduled))
         now = self.clock()
         changed = []
         for row, item in enumerate(sched_out.scheduled):
             req = item.request
-            if req.status is not RequestStatus.RUNNING or req.num_computed_tokens != item.kv_len:
+            if req.status is not RequestStatus.RUNNING or (
+                    req.num_computed_tokens != item.num_computed_tokens + item.num_new_tokens):
                 continue  # finished or aborted after schedule()
-            self._cache_full_pages(req)
+            if req.num_computed_tokens // self.page_size > req.num_registered_pages:
+                self._cache_full_pages(req)
             if not item.samples:
                 continue
-            token_id = rows.token_id(row)
+            token_id = token_ids[row]
             req.append_output_token(token_id, now)
             if req.sampling_params.logprobs is not None and rows.has_logprobs:
                 req.output_logprobs.append(rows.logprobs(row, token_id, req.sampling_params.logprobs))
@@ -311,7 +321,10 @@ class Scheduler:
 
     def _release_pages(self, req: Request) -> None:
         self.pool.free(req.page_ids)
+        if req.page_table_row >= 0:
+            self.page_table.free_row(req.page_table_row)
         req.page_ids = []
+        req.page_table_row = -1
         req.num_registered_pages = 0
 
     def _num_pages_for(self, num_tokens: int) -> int:
@@ -352,6 +365,11 @@ class Scheduler:
             assert 0 < r.num_computed_tokens <= r.num_tokens < self.max_model_len + 1
             assert len(r.page_ids) == self._num_pages_for(r.num_computed_tokens)
             assert len(set(r.page_ids)) == len(r.page_ids)
+            assert self.page_table.row(r.page_table_row) == r.page_ids, f"{r.request_id=} page table row"
+        assert self.page_table.num_free_rows == self.config.max_num_seqs - len(self.running)
+        used_rows = {r.page_table_row for r in self.running}
+        assert len(used_rows) == len(self.running)
+        assert not self.page_table.table[[i for i in range(self.config.max_num_seqs) if i not in used_rows]].any()
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and not r.page_ids
 
@@ -366,8 +384,9 @@ class _RunnerRows:
         self._top_lps = getattr(out, "top_logprobs", None)
         self.has_logprobs = self._logprobs is not None
 
-    def token_id(self, row: int) -> int:
-        return int(self._token_ids[row])
+    def token_ids(self, num_rows: int) -> list[int]:
+        ids = self._token_ids[:num_rows]
+        return ids.tolist() if hasattr(ids, "tolist") else [int(t) for t in ids]
 
     def logprobs(self, row: int, token_id: int, k: int) -> SampledLogprobs:
         top_ids = [] if self._top_ids is None or k == 0 else [int(t) for t in self._top_ids[row][:k]]

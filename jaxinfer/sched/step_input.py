@@ -16,6 +16,7 @@ One host->device copy: `StepInput.pack()` gives one i32 buffer and a static layo
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -186,11 +187,12 @@ class StepInput:
             a = np.ascontiguousarray(getattr(self, name))
             assert a.dtype.itemsize == 4, f"{name} is {a.dtype}"
             parts.append(a.reshape(-1).view(np.int32))
-            layout.append(PackedField(name, offset, tuple(a.shape), a.dtype.name))
+            layout.append(PackedField(name, offset, tuple(a.shape), _DTYPE_NAMES[a.dtype.char]))
             offset += a.size
         return np.concatenate(parts), tuple(layout)
 
 
+_DTYPE_NAMES = {"i": "int32", "f": "float32", "I": "uint32"}  # (dtype.name is slow)
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "sample_positions",
                     "presence_penalty", "frequency_penalty", "repetition_penalty")
 _ARRAY_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_indices",
@@ -214,7 +216,7 @@ def make_step_input(sched_out: SchedulerOutput, engine_config: EngineConfig, max
                     *, buckets: StepBuckets | None = None) -> StepInput:
     buckets = buckets or StepBuckets.from_config(engine_config, max_model_len)
     items = sched_out.scheduled
-    pages_per_seq = max((len(it.request.page_ids) for it in items), default=1)
+    pages_per_seq = max((len(it.request.page_ids) for it in items), default=1)  # P bucket >= this
     si = empty_step_input(*buckets.pick(sched_out.num_batched_tokens, len(items), pages_per_seq),
                           buckets.page_size)
     _fill_attention(si, sched_out, buckets.page_size)
@@ -257,43 +259,51 @@ def warmup_step_inputs(engine_config: EngineConfig, max_model_len: int, *,
 
 
 def _fill_attention(si: StepInput, sched_out: SchedulerOutput, page_size: int) -> None:
-    t = 0
-    for s, it in enumerate(sched_out.scheduled):
-        start, q, page_ids = it.num_computed_tokens, it.num_new_tokens, it.request.page_ids
-        pos = np.arange(start, start + q)  # i64[q]
-        si.input_ids[t:t + q] = it.token_ids
-        si.positions[t:t + q] = pos
-        si.slot_mapping[t:t + q] = np.asarray(page_ids, np.int64)[pos // page_size] * page_size + pos % page_size
-        si.page_indices[s, :len(page_ids)] = page_ids
-        si.kv_lens[s] = start + q
-        t += q
-        si.cu_q_lens[s + 1] = t
-    n = len(sched_out.scheduled)
+    """Vectorised: page rows are gathered from the scheduler's PageTable; per-token arrays by numpy."""
+    items = sched_out.scheduled
+    n = len(items)
+    starts = np.fromiter((it.num_computed_tokens for it in items), np.int64, n)  # i64[n]
+    q_lens = np.fromiter((it.num_new_tokens for it in items), np.int64, n)  # i64[n]
+    table_rows = np.fromiter((it.request.page_table_row for it in items), np.int64, n)  # i64[n]
+    cu = np.concatenate([[0], np.cumsum(q_lens)])  # i64[n+1]
+    t = int(cu[-1])
+    rows = np.repeat(np.arange(n), q_lens)  # i64[t] the sequence of each token
+    pos = starts[rows] + np.arange(t) - cu[:-1][rows]  # i64[t]
+    width = min(si.page_indices.shape[1], sched_out.page_table.shape[1])
+    page_table = si.page_indices[:n]  # i32[n, P]
+    page_table[:, :width] = sched_out.page_table[table_rows, :width]
+    si.input_ids[:t] = np.fromiter(itertools.chain.from_iterable(
+        it.request.all_token_ids[it.num_computed_tokens:it.num_computed_tokens + it.num_new_tokens]
+        for it in items), np.int32, t)
+    si.positions[:t] = pos
+    si.slot_mapping[:t] = page_table[rows, pos // page_size].astype(np.int64) * page_size + pos % page_size
+    si.cu_q_lens[:n + 1] = cu
     si.cu_q_lens[n + 1:] = t
-    si.slot_mapping[t:] = np.arange(si.slot_mapping.shape[0] - t) % page_size
+    si.kv_lens[:n] = starts + q_lens
     si.num_seqs[0] = n
-    si.logits_indices[:n] = si.cu_q_lens[1:n + 1] - 1
+    si.logits_indices[:n] = cu[1:] - 1
     si.num_rows, si.num_real_tokens = n, t
 
 
 def _fill_sampling(si: StepInput, sched_out: SchedulerOutput) -> None:
-    top_logprobs = []
-    for r, it in enumerate(sched_out.scheduled):
-        req, sp = it.request, it.request.sampling_params
-        si.temperature[r] = sp.temperature
-        si.top_k[r] = max(sp.top_k, 0)
-        si.top_p[r] = sp.top_p
-        si.min_p[r] = sp.min_p
-        si.seeds[r] = req.seed & 0xFFFFFFFF
-        si.sample_positions[r] = it.kv_len
-        si.presence_penalty[r] = sp.presence_penalty
-        si.frequency_penalty[r] = sp.frequency_penalty
-        si.repetition_penalty[r] = sp.repetition_penalty
-        if sp.logprobs is not None:
-            top_logprobs.append(sp.logprobs)
+    items = sched_out.scheduled
+    n = len(items)
+    if n == 0:
+        return
+    sps = [it.request.sampling_params for it in items]
+    si.temperature[:n] = [sp.temperature for sp in sps]
+    si.top_k[:n] = [max(sp.top_k, 0) for sp in sps]
+    si.top_p[:n] = [sp.top_p for sp in sps]
+    si.min_p[:n] = [sp.min_p for sp in sps]
+    si.seeds[:n] = [it.request.seed & 0xFFFFFFFF for it in items]
+    si.sample_positions[:n] = si.kv_lens[:n]
+    si.presence_penalty[:n] = [sp.presence_penalty for sp in sps]
+    si.frequency_penalty[:n] = [sp.frequency_penalty for sp in sps]
+    si.repetition_penalty[:n] = [sp.repetition_penalty for sp in sps]
+    top_logprobs = [sp.logprobs for sp in sps if sp.logprobs is not None]
     si.needs_logprobs = bool(top_logprobs)
     si.num_top_logprobs = max(top_logprobs, default=0)
-    si.all_greedy = bool(np.all(si.temperature[:si.num_rows] == 0.0))
+    si.all_greedy = bool(np.all(si.temperature[:n] == 0.0))
 
 
 def _fill_optional(si: StepInput, sched_out: SchedulerOutput) -> None:
@@ -315,6 +325,8 @@ def _row_bias(it, eos_token_ids: frozenset[int]) -> dict[int, float]:
     """logit_bias, plus -inf on EOS / stop_token_ids while the row is below min_tokens."""
     req = it.request
     sp = req.sampling_params
+    if not sp.logit_bias and req.num_output_tokens >= sp.min_tokens:
+        return {}
     bias = dict(sp.logit_bias or {})
     if req.num_output_tokens < sp.min_tokens:
         banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_token_ids))

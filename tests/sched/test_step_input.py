@@ -55,7 +55,7 @@ def test_padding_and_layout_of_a_mixed_step():
     assert si.positions.tolist() == list(range(5)) + list(range(6)) + [0] * 5
     assert a.page_ids == [1, 2] and b.page_ids == [3, 4]
     assert si.slot_mapping[:11].tolist() == [4, 5, 6, 7, 8] + [12, 13, 14, 15, 16, 17]
-    assert si.slot_mapping[11:].tolist() == [0, 1, 2, 3, 0]  # padding: the null page's slots
+    assert si.slot_mapping[11:].tolist() == [3, 0, 1, 2, 3]  # padding token j: slot j % 4 of page 0
     assert si.cu_q_lens.tolist() == [0, 5, 11]
     assert si.kv_lens.tolist() == [5, 6]
     assert si.page_indices.tolist() == [[1, 2], [3, 4]]
