@@ -195,6 +195,28 @@ def test_truncation_never_picks_excluded_tokens_on_a_large_vocab():
             assert probs[tokens[r]] > 0, (r, params["top_k"][r], params["top_p"][r])
 
 
+def test_truncation_sets_match_reference():
+    """The kept set of warp_logits (bisection cut-offs) equals the numpy sort-based reference."""
+    rng = np.random.default_rng(9)
+    num_rows, vocab_size = 16, 300
+    logits = (rng.normal(size=(num_rows, vocab_size)) * rng.uniform(0.5, 4, (num_rows, 1))).astype(np.float32)
+    params = dict(temperature=rng.uniform(0.3, 2.0, num_rows).astype(np.float32),
+                  top_k=np.array([0, 1, 2, 7, 50, 299, 300, 1000] * 2, np.int32),
+                  top_p=np.array([1.0, 0.95, 0.5, 0.1, 0.999, 1.0, 0.3, 0.8] * 2, np.float32)[::-1].copy(),
+                  min_p=np.array([0.0] * 12 + [0.01, 0.1, 0.5, 0.9], np.float32))
+    md = _md(num_rows, **params)
+    kept = np.isfinite(np.asarray(jax.jit(sampler.warp_logits)(jnp.asarray(logits), md)))
+    for r in range(num_rows):
+        want = _reference_probs(logits[r], params["temperature"][r], params["top_k"][r],
+                                params["top_p"][r], params["min_p"][r]) > 0
+        np.testing.assert_array_equal(kept[r], want, err_msg=f"row {r}")
+    # ties at the cut-off are all kept
+    tied = np.array([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0]], np.float32)
+    tied_md = _md(1, temperature=1.0, top_k=2)
+    got = np.isfinite(np.asarray(jax.jit(sampler.warp_logits)(jnp.asarray(tied), tied_md)))
+    np.testing.assert_array_equal(got[0], [True, False, True, True, True, False])
+
+
 def _reference_adjust(logits, prompt_ids, output_ids, presence, frequency, repetition,
                       bias_ids=None, bias_values=None):
     out = np.array(logits, np.float64)

@@ -11,10 +11,11 @@ Order of the logit transforms (the same as vLLM v1):
    (repetition on prompt + output tokens, then frequency and presence on output tokens).
 3. greedy rows (temperature < `GREEDY_EPS`): exact `argmax` of the adjusted logits (ties: lowest id).
 4. `warp_logits`: divide by the temperature, then min-p, then top-k, then top-p (truncated tokens get
-   -inf). Ties at a top-k/top-p cut-off are all kept.
-5. Gumbel-max on the warped logits with the row's own key
-   `fold_in(key(seed), position)`: a request's token depends only on its seed, its position and its
-   own logits, never on the other rows, the batch size or the static flags.
+   -inf). Ties at a top-k/top-p cut-off are all kept. The cut-offs come from an exact bisection,
+   not a sort (see `_top_k_top_p`).
+5. One draw from softmax(warped) by a two-level inverse CDF (`_categorical`) with two uniforms from
+   the row's own key `fold_in(key(seed), position)`: a request's token depends only on its seed,
+   its position and its own logits, never on the other rows, the batch size or the static flags.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def default_sampling_metadata(num_rows: int, **overrides) -> SamplingMetadata:
 def sampler_flags(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> dict[str, bool]:
     """Host side (numpy): the static flags for `sample`, from the batch's real rows.
 
-    `needs_sort`: some row uses top-k or top-p (the only transforms that sort the vocabulary).
+    `needs_sort`: some sampled row uses top-k or top-p (the only transforms that search the
+    vocabulary for a cut-off; the name is historical: the search is a bisection, not a sort).
     `all_greedy`: every row is greedy (no random numbers drawn at all).
     Splat the result into `sample(..., **flags)`; each combination is one more executable.
     """
@@ -145,20 +147,83 @@ def adjust_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     return logits
 
 
+def _ordered_u32(x: jax.Array) -> jax.Array:
+    """f32 -> u32 with the same order (-inf < ... < -0 <= +0 < ... < +inf)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_true(pred, lo: jax.Array, hi: jax.Array, num_iters: int) -> jax.Array:
+    """Per row, the largest t in [lo, hi] (u32[R]) with pred(t) true, for a pred that is true at
+    lo and non-increasing in t. Bisection; `num_iters` >= log2(hi - lo + 1) makes it exact."""
+
+    def body(_, carry):
+        lo, hi = carry
+        span = hi - lo
+        mid = lo + (span >> 1) + (span & 1)  # ceil((lo + hi) / 2) without overflow
+        ok = pred(mid[:, None])
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    return jax.lax.fori_loop(0, num_iters, body, (lo, hi))[0]
+
+
 def _top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """-inf outside the top-k, then outside the smallest top-p nucleus. One sort per row."""
-    vocab_size = x.shape[-1]
-    sorted_x = jnp.flip(jnp.sort(x, axis=-1), axis=-1)  # f32[R, V] descending
-    k = jnp.where(top_k <= 0, vocab_size, jnp.minimum(top_k, vocab_size))  # i32[R]
-    k_cut = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)  # f32[R, 1]
-    in_top_k = jnp.arange(vocab_size)[None, :] < k[:, None]
-    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_x, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better tokens
-    num_keep = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)  # i32[R]
-    p_cut = jnp.take_along_axis(sorted_x, (num_keep - 1)[:, None], axis=-1)  # f32[R, 1]
-    p_cut = jnp.where(top_p[:, None] >= 1.0, -jnp.inf, p_cut)
-    cut = jnp.maximum(k_cut, p_cut)
-    return jnp.where(x >= cut, x, -jnp.inf)
+    """-inf outside the top-k, then outside the smallest top-p nucleus of what is left.
+
+    No sort: each cut-off is found by an exact bisection over the float bit patterns, 32 (top-k)
+    plus 30 (top-p) masked reductions over the row. XLA's CPU sort of [32, 49152] takes over a
+    second; this takes tens of milliseconds there, and is on par with a sort on a GPU.
+    Ties at a cut-off are all kept.
+    """
+    num_rows, vocab_size = x.shape
+    keys = _ordered_u32(x)  # u32[R, V]
+    k = top_k[:, None]
+    k_cut = _largest_true(lambda t: jnp.sum(keys >= t, axis=-1) >= top_k,
+                          jnp.zeros((num_rows,), jnp.uint32), jnp.full((num_rows,), 0xFFFFFFFF, jnp.uint32), 32)
+    k_off = (k <= 0) | (k >= vocab_size)
+    x = jnp.where(k_off | (keys >= k_cut[:, None]), x, -jnp.inf)
+
+    probs = jax.nn.softmax(x, axis=-1)  # f32[R, V]
+    prob_bits = jax.lax.bitcast_convert_type(probs, jnp.uint32)  # ordered: probs are >= 0
+    one = 0x3F800000  # bits of 1.0f
+    p_cut = _largest_true(lambda t: jnp.sum(jnp.where(prob_bits >= t, probs, 0.0), axis=-1) >= top_p,
+                          jnp.zeros((num_rows,), jnp.uint32), jnp.full((num_rows,), one, jnp.uint32), 30)
+    p_off = top_p[:, None] >= 1.0
+    return jnp.where(p_off | (prob_bits >= p_cut[:, None]), x, -jnp.inf)
+
+
+def _categorical(weights: jax.Array, keys: jax.Array, page: int = 256) -> jax.Array:
+    """One draw per row from unnormalised weights f32[R, V] (>= 0), by inverse CDF in two levels:
+    a group of `page` tokens with probability (its mass / total), then a token within it.
+
+    Two uniforms per row (threefry for 2 numbers, not V): a Gumbel-max draw needs V random
+    numbers per row, which on XLA CPU costs more than the rest of the sampler. Each level resolves
+    probabilities down to 2^-23 of its own mass. Zero-weight tokens are never drawn (unless the
+    whole row is zero: then token 0).
+    """
+    num_rows, vocab_size = weights.shape
+    num_groups = -(-vocab_size // page)
+    w = jnp.pad(weights, ((0, 0), (0, num_groups * page - vocab_size)))
+    w = w.reshape(num_rows, num_groups, page)
+    u = jax.vmap(lambda key: jax.random.uniform(key, (2,), jnp.float32))(keys)  # f32[R, 2]
+
+    def pick(row_weights, u_col):  # f32[R, n], f32[R, 1] -> i32[R]: first cum > u * total
+        cum = jnp.cumsum(row_weights, axis=-1)
+        index = jnp.sum(cum <= u_col * cum[:, -1:], axis=-1)
+        n = row_weights.shape[-1]
+        last_positive = jnp.max(jnp.where(row_weights > 0, jnp.arange(n), 0), axis=-1)
+        return jnp.minimum(index, last_positive).astype(jnp.int32)  # u * total rounded to total
+
+    group = pick(jnp.sum(w, axis=-1), u[:, :1])  # i32[R]
+    in_group = jnp.take_along_axis(w, group[:, None, None], axis=1)[:, 0]  # f32[R, page]
+    return group * page + pick(in_group, u[:, 1:])
+
+
+def _categorical_from_logits(x: jax.Array, keys: jax.Array) -> jax.Array:
+    """Draw from softmax(x) per row; -inf entries are never drawn."""
+    x_max = jnp.max(x, axis=-1, keepdims=True)
+    x_max = jnp.where(jnp.isfinite(x_max), x_max, 0.0)  # a row with nothing allowed
+    return _categorical(jnp.exp(x - x_max), keys)
 
 
 def warp_logits(logits: jax.Array, md: SamplingMetadata, *, needs_sort: bool = True) -> jax.Array:
@@ -199,8 +264,8 @@ def sample(
 ) -> SamplerOutput:
     """Sample one token per row. All keyword arguments are static (part of the executable).
 
-    `needs_sort=False` skips the vocabulary sort (top-k / top-p ignored): set it when no row uses
-    them (`sampler_flags`). `all_greedy=True` skips the random draw: every row takes the argmax.
+    `needs_sort=False` skips the top-k / top-p cut-off search (both ignored): set it when no row
+    uses them (`sampler_flags`). `all_greedy=True` skips the random draw: every row takes the argmax.
     Neither flag changes the token of a row that does not use the skipped feature.
     """
     _check_shapes(logits, md)
@@ -215,9 +280,7 @@ def sample(
         token_ids = greedy_ids
     else:
         x = warp_logits(adjusted, md, needs_sort=needs_sort)
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab_size,), jnp.float32))(
-            row_keys(md.seeds, md.positions))  # f32[R, V]
-        sampled_ids = jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+        sampled_ids = _categorical_from_logits(x, row_keys(md.seeds, md.positions))
         token_ids = jnp.where(md.temperature < GREEDY_EPS, greedy_ids, sampled_ids)
     token_logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
     top_token_ids = top_logprobs = None
@@ -291,8 +354,7 @@ def rejection_sample(
         dist = jnp.where(use_residual[:, None], residual, p_last)
     else:
         dist = p_last
-    last = jax.vmap(lambda key, d: jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(d)))(
-        keys, dist).astype(jnp.int32)
+    last = _categorical(dist, jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys))
     if is_greedy is not None:
         last = jnp.where(is_greedy, target_argmax[rows, num_accepted], last)
 
