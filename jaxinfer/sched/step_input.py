@@ -11,6 +11,10 @@ row is computed and ignored by `Scheduler.update`).
 
 One host->device copy: `StepInput.pack()` gives one i32 buffer and a static layout;
 `unpack(buf, layout, bitcast)` slices it back (numpy or jnp; f32/u32 fields are bitcast).
+Layout: the arrays of `_ARRAY_FIELDS` in that order (optional ones only when present), each
+flattened C-order and bit-cast to int32, back to back; `PackedField(name, offset, shape, dtype)`
+gives each one's offset in int32 words. The layout is a hashable tuple: a static jit argument, and
+it changes exactly when (T, S, P) or the optional widths change, i.e. once per executable.
 """
 
 from __future__ import annotations
