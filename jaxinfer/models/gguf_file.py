@@ -13,8 +13,8 @@ import numpy as np
 
 _MISSING = object()
 
-# The tensor types we dequantize (gguf.quants.dequantize covers these and more; the list is the
-# set we test and promise). Anything else is refused by name.
+# The tensor types we test and promise. Any other type gguf.quants can dequantize (Q5_0, Q5_K, ...)
+# loads too; one it cannot is refused with a ValueError naming the tensor and its type.
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
 
 _GLOBAL_NAMES = {
@@ -75,11 +75,12 @@ def gguf_tensor_f32(reader, name: str) -> np.ndarray:
     tensor = next((t for t in reader.tensors if t.name == name), None)
     if tensor is None:
         raise ValueError(f"GGUF file has no tensor {name!r}")
-    type_name = GGMLQuantizationType(tensor.tensor_type).name
-    if type_name not in SUPPORTED_TENSOR_TYPES:
-        raise ValueError(
-            f"tensor {name!r} has type {type_name}; supported: {', '.join(SUPPORTED_TENSOR_TYPES)}")
-    array = dequantize(tensor.data, tensor.tensor_type)
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        type_name = GGMLQuantizationType(tensor.tensor_type).name
+        raise ValueError(f"tensor {name!r} has type {type_name}, which cannot be dequantized; "
+                         f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}") from None
     shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims fastest-first
     return np.asarray(array, dtype=np.float32).reshape(shape)
 
