@@ -26,6 +26,13 @@ and lowers through Triton (`lowering="triton"`). Every in-kernel array has a pow
 every dot has M, N, K >= 16 (Triton's limits): query rows are padded to at least 16, the head
 group to a power of two, a chunk holds at least 16 keys.
 
+Verified here (no GPU): interpret mode against the reference (tests/kernels), lowering to
+Triton IR for CUDA on the CPU (tests), and that IR compiled to sm_90 cubin by pip Triton 3.9
+(benchmarks/triton_ttir.py). Not yet run on a GPU: benchmarks/gpu_check.sh does that. Mosaic GPU:
+`pl.pallas_call` without Triton params stages every whole-array input in shared memory, so the
+paged cache cannot be passed that way; `lowering="mosaic"` raises NotImplementedError (ops falls
+back) until a Mosaic-specific kernel (GMEM refs, plgpu copies, layouts) exists.
+
 int8 KV: pass `k_scale`/`v_scale` f32[L, N, page_size, Hkv] with int8 caches (per token and head
 scales, see `quantize_kv`); K is dequantised by scaling the logits, V by scaling the probabilities.
 """
@@ -379,8 +386,9 @@ def ragged_paged_attention(
     if not interpret:
         if lowering == "mosaic":
             raise NotImplementedError(
-                "lowering='mosaic': pl.pallas_call through Mosaic GPU cannot gather pages from a "
-                "GMEM ref with plain ref indexing (it needs plgpu copies and barriers); use triton")
+                "lowering='mosaic': Mosaic GPU stages whole-array pallas_call inputs in shared memory "
+                "(the cache does not fit) and GMEM refs need plgpu layouts and async copies, outside "
+                "the portable subset; use lowering='triton'")
         if not _is_pow2(page_size) or not _is_pow2(head_dim):
             raise NotImplementedError(f"{page_size=} and {head_dim=} must be powers of two for Triton")
         if head_dim < MIN_DOT_SIZE:

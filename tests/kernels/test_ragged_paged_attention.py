@@ -85,7 +85,7 @@ def test_verification_tiles():
 
 
 @pytest.mark.parametrize("sliding_window,soft_cap,max_q_len", [
-    (7, None, None), (None, 5.0, None), (13, 3.0, None), (20, 2.0, 1),
+    (7, None, None), (13, 3.0, None), (20, 2.0, 1),
 ])
 def test_sliding_window_and_soft_cap(sliding_window, soft_cap, max_q_len):
     lens = MIXED if max_q_len is None else dict(q_lens=[1, 1, 1], kv_lens=[5, 33, 70])
