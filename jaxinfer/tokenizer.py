@@ -47,7 +47,8 @@ class Tokenizer:
             raise ValueError(
                 f"cannot load a tokenizer from {path=}{f' ({gguf_file=})' if gguf_file else ''}: "
                 f"expected an HF directory with tokenizer files or a .gguf file ({e})") from None
-        return cls(hf_tokenizer, eos_token_ids=_generation_config_eos(path) if gguf_file is None else ())
+        extra_eos = _generation_config_eos(path) if gguf_file is None else []
+        return cls(hf_tokenizer, eos_token_ids=extra_eos)
 
     # -- properties -------------------------------------------------------------------------------
     @property
@@ -136,7 +137,8 @@ class IncrementalDetokenizer:
     `flush()`) equal `tokenizer.decode(output_ids)`.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int],
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._ids: list[int] = [int(i) for i in list(prompt_ids)[-_PROMPT_CONTEXT_TOKENS:]]

@@ -10,7 +10,7 @@ import pytest
 from scipy import stats
 
 from jaxinfer.runtime import sampler
-from jaxinfer.runtime.sampler import SamplingMetadata, default_sampling_metadata
+from jaxinfer.runtime.sampler import default_sampling_metadata
 
 NUM_DRAWS = 20_000
 P_MIN = 0.01  # chi-square p-value floor (the draws are seeded: the test is deterministic)
@@ -131,7 +131,8 @@ def test_batch_independence():
     perm = rng.permutation(num_rows + num_other)
     big_logits = np.concatenate([logits, other_logits])[perm]
     big_params = {n: np.concatenate([params[n], other_params[n]])[perm] for n in params}
-    big = np.asarray(_sample(jnp.asarray(big_logits), _md(num_rows + num_other, **big_params)).token_ids)
+    big_md = _md(num_rows + num_other, **big_params)
+    big = np.asarray(_sample(jnp.asarray(big_logits), big_md).token_ids)
     inverse = np.argsort(perm)
     np.testing.assert_array_equal(big[inverse[:num_rows]], alone)
 
@@ -199,10 +200,11 @@ def test_truncation_sets_match_reference():
     """The kept set of warp_logits (bisection cut-offs) equals the numpy sort-based reference."""
     rng = np.random.default_rng(9)
     num_rows, vocab_size = 16, 300
-    logits = (rng.normal(size=(num_rows, vocab_size)) * rng.uniform(0.5, 4, (num_rows, 1))).astype(np.float32)
+    scale = rng.uniform(0.5, 4, (num_rows, 1))
+    logits = (rng.normal(size=(num_rows, vocab_size)) * scale).astype(np.float32)
     params = dict(temperature=rng.uniform(0.3, 2.0, num_rows).astype(np.float32),
                   top_k=np.array([0, 1, 2, 7, 50, 299, 300, 1000] * 2, np.int32),
-                  top_p=np.array([1.0, 0.95, 0.5, 0.1, 0.999, 1.0, 0.3, 0.8] * 2, np.float32)[::-1].copy(),
+                  top_p=np.array([0.8, 0.3, 1.0, 0.999, 0.1, 0.5, 0.95, 1.0] * 2, np.float32),
                   min_p=np.array([0.0] * 12 + [0.01, 0.1, 0.5, 0.9], np.float32))
     md = _md(num_rows, **params)
     kept = np.isfinite(np.asarray(jax.jit(sampler.warp_logits)(jnp.asarray(logits), md)))

@@ -71,7 +71,8 @@ def test_from_source_hf_dir_reads_generation_config_eos(tmp_path):
     raw = RawTokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "<eot>": 2, "a": 3, "b": 4},
                                         unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", unk_token="<unk>").save_pretrained(tmp_path)
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", unk_token="<unk>")
+    hf.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [1, 2]}')
     t = Tokenizer.from_source(str(tmp_path))
     assert t.eos_token_ids == (1, 2)
@@ -149,7 +150,8 @@ def test_incremental_detokenizer_holds_back_split_characters(tok):
 
 
 def test_incremental_detokenizer_special_tokens(tok):
-    output_ids = tok.encode("Sure.", add_special_tokens=False) + [2] + tok.encode(" Done", add_special_tokens=False)
+    output_ids = (tok.encode("Sure.", add_special_tokens=False) + [2]
+                  + tok.encode(" Done", add_special_tokens=False))
     for skip in (True, False):
         deltas, tail = _stream(tok, [1], output_ids, iter(lambda: 1, None), skip_special_tokens=skip)
         assert "".join(deltas) + tail == tok.decode(output_ids, skip_special_tokens=skip)

@@ -178,8 +178,9 @@ def _top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     num_rows, vocab_size = x.shape
     keys = _ordered_u32(x)  # u32[R, V]
     k = top_k[:, None]
+    zeros = jnp.zeros((num_rows,), jnp.uint32)
     k_cut = _largest_true(lambda t: jnp.sum(keys >= t, axis=-1) >= top_k,
-                          jnp.zeros((num_rows,), jnp.uint32), jnp.full((num_rows,), 0xFFFFFFFF, jnp.uint32), 32)
+                          zeros, jnp.full((num_rows,), 0xFFFFFFFF, jnp.uint32), 32)
     k_off = (k <= 0) | (k >= vocab_size)
     x = jnp.where(k_off | (keys >= k_cut[:, None]), x, -jnp.inf)
 
@@ -187,7 +188,7 @@ def _top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     prob_bits = jax.lax.bitcast_convert_type(probs, jnp.uint32)  # ordered: probs are >= 0
     one = 0x3F800000  # bits of 1.0f
     p_cut = _largest_true(lambda t: jnp.sum(jnp.where(prob_bits >= t, probs, 0.0), axis=-1) >= top_p,
-                          jnp.zeros((num_rows,), jnp.uint32), jnp.full((num_rows,), one, jnp.uint32), 30)
+                          zeros, jnp.full((num_rows,), one, jnp.uint32), 30)
     p_off = top_p[:, None] >= 1.0
     return jnp.where(p_off | (prob_bits >= p_cut[:, None]), x, -jnp.inf)
 
@@ -314,7 +315,8 @@ def rejection_sample(
     num_rows, k_plus_1, vocab_size = target_probs.shape
     k = k_plus_1 - 1
     if draft_token_ids.shape != (num_rows, k):
-        raise ValueError(f"{draft_token_ids.shape=} must be ({num_rows}, {k}) for {target_probs.shape=}")
+        raise ValueError(
+            f"{draft_token_ids.shape=} must be ({num_rows}, {k}) for {target_probs.shape=}")
     if draft_probs is not None and draft_probs.shape != (num_rows, k, vocab_size):
         raise ValueError(f"{draft_probs.shape=} must be ({num_rows}, {k}, {vocab_size})")
     if num_draft.shape != (num_rows,) or keys.shape != (num_rows,):
