@@ -639,7 +639,7 @@ class _Server:
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self.engine.tokenizer.decode([token_id])
+            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
             if len(self._token_texts) < 1_000_000:
                 self._token_texts[token_id] = text
         return text

@@ -1,0 +1,109 @@
+"""The app over the real engine (the session's tiny random Llama), in process: what the HTTP API
+returns must equal what the Python API (`LLM.generate`) gives for the same request."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.testclient import TestClient
+
+from jaxinfer import SamplingParams
+from jaxinfer.async_engine import AsyncEngine
+from serve.app import create_app
+from tests.serve.conftest import sse_events, wait_healthy
+
+MODEL = "tiny"
+PROMPT = "Hello, world!"
+MESSAGES = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_llm):
+    """Reference outputs from the Python API, computed before the server owns the engine."""
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    chat_ids = tiny_llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    seeded = [SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True) for s in (5, 6)]
+    return {
+        "completion": tiny_llm.generate([PROMPT], greedy, use_tqdm=False)[0],
+        "chat": tiny_llm.generate([chat_ids], greedy, use_tqdm=False)[0],
+        "seeded": [o.outputs[0].text for o in tiny_llm.generate([PROMPT, PROMPT], seeded,
+                                                                use_tqdm=False)],
+    }
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llm, refs):
+    engine = tiny_llm.engine
+    ae = AsyncEngine(engine, warmup=False)  # owns the engine until the module ends
+    with TestClient(create_app(ae, served_model_name=MODEL)) as c:
+        wait_healthy(c)
+        yield c
+    assert not engine.has_unfinished_requests()
+
+
+def test_completion_equals_python_api(client, refs):
+    ref = refs["completion"].outputs[0]
+    body = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 8,
+                                                "temperature": 0, "ignore_eos": True,
+                                                "logprobs": 2}).json()
+    choice = body["choices"][0]
+    assert choice["text"] == ref.text
+    assert body["usage"]["completion_tokens"] == len(ref.token_ids) == 8
+    assert body["usage"]["prompt_tokens"] == len(refs["completion"].prompt_token_ids)
+    got = choice["logprobs"]["token_logprobs"]
+    assert got == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-5)
+    for top, e in zip(choice["logprobs"]["top_logprobs"], ref.logprobs):
+        # keyed by token text: ids that decode alike (byte pieces -> U+FFFD) share an entry
+        assert 1 <= len(top) <= 3
+        assert max(top.values()) == pytest.approx(max(e.top_logprobs), abs=1e-5)
+
+    events = sse_events(client.post("/v1/completions", json={
+        "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        "stream": True}).text)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == ref.text
+
+
+def test_chat_equals_python_api(client, refs):
+    ref = refs["chat"].outputs[0]
+    req = {"messages": MESSAGES, "max_completion_tokens": 8, "temperature": 0, "ignore_eos": True,
+           "logprobs": True, "top_logprobs": 2}
+    body = client.post("/v1/chat/completions", json=req).json()
+    assert body["choices"][0]["message"]["content"] == ref.text
+    assert body["usage"]["prompt_tokens"] == len(refs["chat"].prompt_token_ids)
+    lps = [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]]
+    assert lps == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-5)
+    events = sse_events(client.post("/v1/chat/completions", json={**req, "stream": True}).text)
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert text == ref.text
+
+
+def test_n_with_seed_equals_seeds_s_and_s_plus_1(client, refs):
+    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "n": 2,
+                                                "seed": 5, "temperature": 1.0,
+                                                "ignore_eos": True}).json()
+    assert [c["text"] for c in body["choices"]] == refs["seeded"]
+
+
+def test_prompt_too_long(client):
+    r = client.post("/v1/completions", json={"prompt": [5] * 300})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "256" in r.json()["error"]["message"]
+
+
+def test_tokenize_matches_the_tokenizer(client, tiny_llm):
+    ids = client.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    assert ids == tiny_llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    assert client.post("/detokenize", json={"tokens": tiny_llm.tokenizer.encode(PROMPT)}).json() == {
+        "prompt": PROMPT}
+
+
+def test_metrics_read_from_the_engine(client):
+    values = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    assert values["jaxinfer_compilations_total"] >= 1
+    assert values["jaxinfer_kv_pages_used"] == 0
+    assert values["jaxinfer_kv_pages_total"] == 95
+    assert values["jaxinfer_num_requests_running"] == 0
