@@ -311,6 +311,34 @@ def bench_prefill(sh: Shapes, *, interpret: bool, lowering: str, min_time: float
     return rows
 
 
+def sweep_decode(sh: Shapes, *, interpret: bool, lowering: str, min_time: float, deadline: float) -> list[dict]:
+    """Time the decode kernel over Triton launch parameters and chunk sizes (for tuning)."""
+    sm_scale = 1 / math.sqrt(sh.head_dim)
+    rows = []
+    shapes = [(sh.batches[0], sh.contexts[-1]), (sh.batches[-2], sh.contexts[1 % len(sh.contexts)])]
+    for batch, context in shapes:
+        q, k_cache, v_cache, md = make_decode(batch, context, sh)
+        kv_bytes = 2 * batch * context * sh.num_kv_heads * sh.head_dim * jnp.dtype(sh.dtype).itemsize
+        for chunk in (64, 128, 256):
+            for num_warps in (4, 8):
+                for num_stages in (1, 2, 3):
+                    if time.perf_counter() > deadline:
+                        return rows
+                    fn = jax.jit(functools.partial(
+                        ragged_paged_attention, sm_scale=sm_scale, max_q_len=1, interpret=interpret,
+                        lowering=lowering, kv_chunk_size=chunk, num_warps=num_warps, num_stages=num_stages))
+                    try:
+                        _, t = time_fn(fn, q, k_cache, v_cache, jnp.int32(0), md, min_time=min_time)
+                        rows.append(dict(batch=batch, context=context, chunk=chunk, num_warps=num_warps,
+                                         num_stages=num_stages, us=t * 1e6, gbs=kv_bytes / t / 1e9))
+                    except Exception as e:
+                        rows.append(dict(batch=batch, context=context, chunk=chunk, num_warps=num_warps,
+                                         num_stages=num_stages, error=repr(e)[:200]))
+                    log(f"  sweep {rows[-1]}")
+        del q, k_cache, v_cache, md
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------
 # Report
 # ----------------------------------------------------------------------------------------------
@@ -379,11 +407,12 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time decode over num_warps/num_stages/chunk")
     ap.add_argument("--lowering", default="triton", choices=["triton", "mosaic"])
     ap.add_argument("--budget-s", type=float, default=200.0, help="stop starting new shapes after this")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args(argv)
-    if not args.check and not args.bench:
+    if not args.check and not args.bench and not args.sweep:
         args.check = args.bench = True
     start = time.perf_counter()
     deadline = start + args.budget_s
@@ -428,6 +457,13 @@ def main(argv=None) -> int:
             log("== prefill")
             bench_prefill(sh, interpret=interpret, lowering=args.lowering, min_time=min_time, deadline=deadline,
                           rows=prefill, on_row=save)
+    if args.sweep:
+        log("== sweep")
+        sweep = sweep_decode(sh, interpret=interpret, lowering=args.lowering, min_time=min_time,
+                             deadline=time.perf_counter() + args.budget_s)
+        if args.out:
+            with open(os.path.join(args.out, "kernel_sweep.json"), "w") as f:
+                json.dump(sweep, f, indent=1)
     save(final=True)
     return 0 if all(c["ok"] for c in checks) else 1
 

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.ragged_paged_attention import whole_array_spec
+
 INT8_MAX = 127.0
 
 
@@ -117,9 +119,10 @@ def write_kv(
         caches = [k_cache, v_cache]
     row_spec = pl.BlockSpec((tokens, None, head_dim), lambda i, h: (i, h, 0))
     scale_spec = pl.BlockSpec((tokens, None), lambda i, h: (i, h))
-    in_specs = [pl.no_block_spec, pl.no_block_spec, row_spec, row_spec]
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    in_specs = [whole_array_spec((1,)), whole_array_spec(slots.shape), row_spec, row_spec]
     in_specs += [scale_spec, scale_spec] if quantized else []
-    in_specs += [pl.no_block_spec] * len(caches)
+    in_specs += [whole_array_spec(c.shape) for c in caches]
     first_cache = 2 + len(new)
     compiler_params = None
     if not interpret:
@@ -130,13 +133,13 @@ def write_kv(
         functools.partial(_write_kernel, page_size=page_size, quantized=quantized),
         grid=(padded // tokens, num_kv_heads),
         in_specs=in_specs,
-        out_specs=[pl.no_block_spec] * len(caches),
+        out_specs=[whole_array_spec(c.shape) for c in caches],
         out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
         input_output_aliases={first_cache + j: j for j in range(len(caches))},
         interpret=interpret,
         compiler_params=compiler_params,
         name="write_kv",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), slots, *new, *caches))
+    )(layer_arr, slots, *new, *caches))
 
 
 def write_kv_reference(k_cache, v_cache, layer, k, v, slot_mapping, k_scale=None, v_scale=None):

@@ -323,6 +323,11 @@ def _make_tiles(md: AttentionMetadata, num_tokens: int, cfg: KernelConfig, max_k
     return _Tiles(tile_seq, tile_first_pos, tile_last_pos, tile_token_ids, token_rows, token_real)
 
 
+def whole_array_spec(shape) -> pl.BlockSpec:
+    """The whole array as one block, every program (the kernel indexes it itself)."""
+    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
+
+
 def _compiler_params(lowering: str, num_warps: int | None, num_stages: int | None):
     if lowering == "triton":
         from jax.experimental.pallas import triton as pl_triton
@@ -418,9 +423,10 @@ def ragged_paged_attention(
         soft_cap=None if soft_cap is None else float(soft_cap), sliding_window=sliding_window,
         group_pad=gp, pages_per_chunk=ppc, num_kv_splits=splits, quantized=quantized,
     )
-    whole = pl.no_block_spec
-    in_specs = [whole] * 5 + [pl.BlockSpec((None, None, rows, head_dim), lambda t, h, k: (t, h, 0, 0))]
-    in_specs += [whole, whole] + ([whole, whole] if quantized else [])
+    operands = [layer_arr, tiles.tile_seq, tiles.tile_first_pos, tiles.tile_last_pos, page_indices,
+                q_t, k_cache, v_cache] + ([k_scale, v_scale] if quantized else [])
+    in_specs = [whole_array_spec(x.shape) for x in operands]
+    in_specs[5] = pl.BlockSpec((None, None, rows, head_dim), lambda t, h, k: (t, h, 0, 0))
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((nt, num_kv_heads, rows, head_dim), q.dtype)
         out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda t, h, k: (t, h, 0, 0))
@@ -435,8 +441,6 @@ def ragged_paged_attention(
             pl.BlockSpec((None, None, None, rows), lambda t, h, k: (t, h, k, 0)),
             pl.BlockSpec((None, None, None, rows), lambda t, h, k: (t, h, k, 0)),
         )
-    operands = [layer_arr, tiles.tile_seq, tiles.tile_first_pos, tiles.tile_last_pos, page_indices,
-                q_t, k_cache, v_cache] + ([k_scale, v_scale] if quantized else [])
     out = pl.pallas_call(
         kernel,
         grid=(nt, num_kv_heads, splits),

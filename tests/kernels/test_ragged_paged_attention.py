@@ -123,7 +123,7 @@ def test_int8_kv_pages():
     assert rel_err(out, ref_q, batch.num_tokens_real) < F32_TOL
     ref = ragged_paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, LAYER, batch.md,
                                            sm_scale=1.0 / math.sqrt(128))
-    assert rel_err(out, ref, batch.num_tokens_real) < 2e-2  # measured ~6e-3 (int8 rounding)
+    assert rel_err(out, ref, batch.num_tokens_real) < 2e-2  # measured 9e-3 (a bf16 cache: 4e-3)
 
 
 @pytest.mark.parametrize("page_size,group,sliding_window,soft_cap", [
