@@ -133,17 +133,17 @@ def main() -> int:
     p.add_argument("--prompt-words", type=int, default=32)
     p.add_argument("--api-key", default=os.environ.get("JAXINFER_API_KEY"))
     p.add_argument("--ready-timeout", type=float, default=3600.0)
-    p.add_argument("serve_args", nargs=argparse.REMAINDER,
-                   help="after `--`: flags passed to `jaxinfer serve`")
-    args = p.parse_args()
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:split])
+    extra = argv[split + 1:]  # after `--`: flags passed to `jaxinfer serve`
     proc = None
     url = args.url
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         log_path = f"/tmp/jaxinfer-serve-load-{port}.log"
-        extra = [a for a in args.serve_args if a != "--"]
-        print(f"starting jaxinfer serve {args.model} {' '.join(extra)} (log: {log_path})")
+            print(f"starting jaxinfer serve {args.model} {' '.join(extra)} (log: {log_path})")
         proc = start_server(args.model, port, extra, log_path=log_path,
                             env={"JAXINFER_API_KEY": args.api_key} if args.api_key else None)
     try:

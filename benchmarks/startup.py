@@ -94,10 +94,10 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=1, help="warm runs (the cold one is always one)")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--no-cache-run", action="store_true", help="also time a start with no cache")
-    p.add_argument("serve_args", nargs=argparse.REMAINDER,
-                   help="after `--`: flags passed to `jaxinfer serve`")
-    args = p.parse_args()
-    extra = [a for a in args.serve_args if a != "--"]
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = p.parse_args(argv[:split])
+    extra = argv[split + 1:]  # after `--`: flags passed to `jaxinfer serve`
     cache_dir = tempfile.mkdtemp(prefix="jaxinfer-jax-cache-")
     log_path = os.path.join(cache_dir + "-server.log")
     rows = []

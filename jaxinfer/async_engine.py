@@ -92,6 +92,11 @@ class AsyncEngine:
         return self._ready.is_set() and self.warmup_error is None and self._accepting
 
     @property
+    def accepting(self) -> bool:
+        """False once `stop_admissions` or `shutdown` ran."""
+        return self._accepting
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -246,6 +251,7 @@ class AsyncEngine:
                 logger.exception("engine warm-up failed")
                 self.warmup_error = e
             self.warmup_seconds = time.perf_counter() - t0
+            logger.info("engine warm-up took %.1f s", self.warmup_seconds)
         self._snapshot_metrics()
         self._ready.set()
         in_flight: set[str] = set()

@@ -60,6 +60,7 @@ class _Job:
     request_id: str
     prompt: _Prompt
     params: SamplingParams
+    priority: int = 0
 
 
 def create_app(async_engine, *, api_key: str | None = None,
@@ -184,7 +185,7 @@ class _Server:
             return JSONResponse({"status": "ok"})
         if ae.warmup_error is not None:
             status = f"error: warm-up failed: {type(ae.warmup_error).__name__}: {ae.warmup_error}"
-        elif not getattr(ae, "_accepting", True):
+        elif not ae.accepting:
             status = "shutting down"
         else:
             status = "warming up"
@@ -366,7 +367,8 @@ class _Server:
         for p_idx, prompt in enumerate(prompts):
             for i, params in enumerate(per_sample):
                 index = p_idx * req.n + i
-                jobs.append(_Job(index, p_idx, f"{request_id}-{index}", prompt, params))
+                jobs.append(_Job(index, p_idx, f"{request_id}-{index}", prompt, params,
+                                 req.priority))
         return jobs
 
     async def _job_outputs(self, job: _Job, t0: float) -> AsyncIterator:
@@ -374,7 +376,8 @@ class _Server:
         m = self.metrics
         first_time = None
         num_tokens = 0
-        gen = self.engine.generate(job.prompt.token_ids, job.params, job.request_id)
+        gen = self.engine.generate(job.prompt.token_ids, job.params, job.request_id,
+                                   priority=job.priority)
         async with contextlib.aclosing(gen):
             async for out in gen:
                 now = time.monotonic()

@@ -17,6 +17,7 @@ import ipaddress
 import logging
 import os
 import sys
+import time
 import tomllib
 
 import uvicorn
@@ -118,6 +119,11 @@ def served_name(model: str) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $JAXINFER_API_KEY, else None (no key required)."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -131,7 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from jaxinfer.async_engine import AsyncEngine
     from serve.app import create_app
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = resolve_api_key(args)
     if not _is_loopback(args.host) and api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it",
                        args.host)
@@ -141,7 +147,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from jaxinfer.engine import LLMEngine
 
+    t0 = time.perf_counter()
     engine = LLMEngine(args.model, tokenizer=args.tokenizer, **settings)
+    logger.info("engine built in %.1f s (%s)", time.perf_counter() - t0, settings)
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, warmup=not args.no_warmup)
     app = create_app(async_engine, api_key=api_key, max_body_bytes=args.max_body_bytes,
                      served_model_name=args.served_model_name or served_name(args.model),

@@ -43,7 +43,11 @@ _ENGINE_FIELDS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
      ("spec_acceptance_rate", "acceptance_rate")),
     ("compilations", "XLA executables compiled by the engine", "counter",
      ("num_compilations", "compilations")),
+    ("compile_seconds", "Seconds the engine spent compiling", "counter", ("compile_seconds",)),
     ("engine_steps", "Engine steps run", "counter", ("num_steps",)),
+    ("requests_finished", "Requests the engine finished", "counter", ("num_finished_total",)),
+    ("kv_utilization", "Live tokens / page slots held by running requests", "gauge",
+     ("kv_utilization",)),
 )
 
 

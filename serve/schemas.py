@@ -52,6 +52,7 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int = 0  # lower runs first under the engine's "priority" policy
 
     @field_validator("stop")
     @classmethod
