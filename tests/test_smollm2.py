@@ -22,12 +22,17 @@ PROMPTS = [
 
 
 def _hf_greedy(hf, token_ids: list[int], n: int) -> list[int]:
+    """Plain argmax decoding with transformers' KV cache; EOS is a token like any other
+    (`generate(min_new_tokens=...)` would mask EOS instead, which ignore_eos does not do)."""
     _, model = hf
-    ids = torch.tensor([token_ids])
+    out = []
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             min_new_tokens=n, do_sample=False, pad_token_id=2)
-    return out[0, len(token_ids):].tolist()
+        r = model(torch.tensor([token_ids]), use_cache=True)
+        for _ in range(n):
+            nxt = int(r.logits[0, -1].argmax())
+            out.append(nxt)
+            r = model(torch.tensor([[nxt]]), past_key_values=r.past_key_values, use_cache=True)
+    return out
 
 
 def test_greedy_32_tokens_match_transformers(smollm2_llm, hf_smollm2):
