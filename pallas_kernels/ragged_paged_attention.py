@@ -256,8 +256,8 @@ def _validate(q, k_cache, v_cache, layer, md, sm_scale, sliding_window, soft_cap
             raise ValueError(f"{k_scale.shape=} {v_scale.shape=} must be {k_cache.shape[:4]=}")
         if k_scale.dtype != jnp.float32 or v_scale.dtype != jnp.float32:
             raise ValueError(f"{k_scale.dtype=} {v_scale.dtype=} must be float32")
-    elif k_cache.dtype != q.dtype:
-        raise ValueError(f"{k_cache.dtype=} must equal {q.dtype=} (or be int8 with scales)")
+    elif jnp.dtype(k_cache.dtype) not in _FLOAT_DTYPES:
+        raise ValueError(f"{k_cache.dtype=} must be float32, bfloat16, float16 (or int8 with scales)")
     if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
         raise ValueError(f"{layer=} must be an integer scalar")
     num_seqs = md.kv_lens.shape[0] if md.kv_lens.ndim == 1 else -1
@@ -407,8 +407,10 @@ def ragged_paged_attention(
     tiles = _make_tiles(md, num_tokens, cfg, pages_per_seq * page_size)
     bq, gp, rows, nt, splits = cfg.tile_tokens, cfg.group_pad, cfg.rows, cfg.num_tiles, cfg.num_kv_splits
 
-    # q tiles: [nt, Hkv, rows, D], row r = token (r // gp) of the tile, query head (r % gp).
-    q_t = q[tiles.tile_token_ids].reshape(nt, bq, num_kv_heads, group, head_dim)
+    # q tiles: [nt, Hkv, rows, D], row r = token (r // gp) of the tile, query head (r % gp);
+    # in the cache's dtype when it is a float one (the dots run in that dtype).
+    q_t = q if quantized else q.astype(k_cache.dtype)
+    q_t = q_t[tiles.tile_token_ids].reshape(nt, bq, num_kv_heads, group, head_dim)
     q_t = jnp.pad(q_t, ((0, 0), (0, 0), (0, 0), (0, gp - group), (0, 0)))
     q_t = q_t.transpose(0, 2, 1, 3, 4).reshape(nt, num_kv_heads, bq * gp, head_dim)
     q_t = jnp.pad(q_t, ((0, 0), (0, 0), (0, rows - bq * gp), (0, 0)))
@@ -428,7 +430,7 @@ def ragged_paged_attention(
     in_specs = [whole_array_spec(x.shape) for x in operands]
     in_specs[5] = pl.BlockSpec((None, None, rows, head_dim), lambda t, h, k: (t, h, 0, 0))
     if splits == 1:
-        out_shape = jax.ShapeDtypeStruct((nt, num_kv_heads, rows, head_dim), q.dtype)
+        out_shape = jax.ShapeDtypeStruct((nt, num_kv_heads, rows, head_dim), q_t.dtype)
         out_specs = pl.BlockSpec((None, None, rows, head_dim), lambda t, h, k: (t, h, 0, 0))
     else:
         out_shape = (

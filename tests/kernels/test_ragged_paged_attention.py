@@ -76,6 +76,15 @@ def test_decode_like_bucket_with_a_prefill():
     assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
 
 
+def test_f32_queries_over_a_bf16_cache():
+    """q in f32 over a bf16 cache: the dots run in bf16, the output comes back in f32."""
+    batch = make_paged_batch(9, **MIXED, page_size=16, head_dim=64, num_kv_heads=2, group=2,
+                             dtype=jnp.bfloat16, num_seqs_pad=8, num_tokens_pad=40)
+    batch = batch._replace(q=batch.q.astype(jnp.float32))
+    out, ref = run(batch)
+    assert rel_err(out, ref, batch.num_tokens_real) < BF16_TOL
+
+
 def test_verification_tiles():
     """1 + k speculative verification: max_q_len=4 gives 4-token tiles."""
     batch = make_paged_batch(3, q_lens=[4, 4, 1, 3], kv_lens=[4, 30, 9, 64], page_size=16,
@@ -161,7 +170,7 @@ def _small_batch(dtype=jnp.float32):
 @pytest.mark.parametrize("change,match", [
     (lambda b: b._replace(q=b.q[0]), "q.shape"),
     (lambda b: b._replace(q=b.q[:, :3]), "num_q_heads"),
-    (lambda b: b._replace(q=b.q.astype(jnp.bfloat16)), "k_cache.dtype"),
+    (lambda b: b._replace(k_cache=b.k_cache.astype(jnp.int8), v_cache=b.v_cache.astype(jnp.int8)), "k_cache.dtype"),
     (lambda b: b._replace(v_cache=b.v_cache[:, :-1]), "v_cache.shape"),
     (lambda b: b._replace(md=b.md._replace(kv_lens=b.md.kv_lens.astype(jnp.float32))), "md.kv_lens"),
     (lambda b: b._replace(md=b.md._replace(page_indices=b.md.page_indices[0])), "page_indices"),
