@@ -238,14 +238,10 @@ def test_dummy_load_any_config(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    import transformers
-
-    source = model_source("smollm2-135m")
+def smollm2(hf_smollm2):
+    """Ours, plus transformers on the same GGUF (the session fixture in conftest.py)."""
+    tok, hf = hf_smollm2
     config, model = load_model("smollm2-135m")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        source.path, gguf_file=source.gguf_file, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
     return config, model, make_forward(model), hf, tok
 
 
