@@ -13,10 +13,7 @@ from flax import nnx
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.runtime.kv_cache import allocate_kv_cache
-from jaxinfer.runtime.sampler import sampler_flags
 from jaxinfer.runtime.step import StepFlags, make_jitted_step
-
-MAX_TOP_LOGPROBS = 20
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +62,9 @@ class ModelRunner:
         signature = (layout, flags)
         is_new = signature not in self._seen_signatures
         t0 = time.perf_counter()
-        out, self.kv_cache = self._step(self.state, self.kv_cache, jax.device_put(buf), layout, flags)
+        want_top = np.bool_(step_input.num_top_logprobs > 0)
+        out, self.kv_cache = self._step(self.state, self.kv_cache, jax.device_put(buf), want_top,
+                                        layout, flags)
         host = jax.device_get(out)  # the one device->host transfer of the step
         if is_new:
             self._seen_signatures.add(signature)
@@ -73,24 +72,16 @@ class ModelRunner:
             dt = time.perf_counter() - t0
             self.compile_seconds += dt
             logger.info("compiled a step for (T, S, P)=%s %s in %.1f s", step_input.shape, flags, dt)
-        n = step_input.num_rows
+        n, want = step_input.num_rows, bool(want_top)
         return RunnerOutput(
             token_ids=np.asarray(host.token_ids[:n]),
             logprobs=np.asarray(host.logprobs[:n]),
-            top_token_ids=None if host.top_token_ids is None else np.asarray(host.top_token_ids[:n]),
-            top_logprobs=None if host.top_logprobs is None else np.asarray(host.top_logprobs[:n]),
+            top_token_ids=np.asarray(host.top_token_ids[:n]) if want else None,
+            top_logprobs=np.asarray(host.top_logprobs[:n]) if want else None,
         )
 
     def _flags(self, si) -> StepFlags:
-        rows = slice(0, max(si.num_rows, 1))
-        sf = sampler_flags(si.temperature[rows], si.top_k[rows], si.top_p[rows])
-        # One logprobs width (20, OpenAI's maximum) so logprobs requests add one executable, not 20.
-        return StepFlags(
-            attention_backend=self.attention_backend,
-            num_top_logprobs=MAX_TOP_LOGPROBS if si.num_top_logprobs else 0,
-            needs_sort=sf["needs_sort"],
-            all_greedy=sf["all_greedy"],
-        )
+        return StepFlags(attention_backend=self.attention_backend)
 
 
 def device_memory_bytes_free() -> int | None:

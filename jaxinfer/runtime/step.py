@@ -14,20 +14,49 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.runtime.kv_cache import AttentionMetadata, KVCache
-from jaxinfer.runtime.sampler import SamplerOutput, SamplingMetadata, sample
+from jaxinfer.runtime.sampler import GREEDY_EPS, SamplerOutput, SamplingMetadata, sample
 from jaxinfer.sched.step_input import PackedLayout, unpack
 
 _OPTIONAL_SAMPLING = ("prompt_token_ids", "output_token_ids", "bias_token_ids", "bias_values",
                       "allowed_token_bitmask")
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's maximum
+
+
 class StepFlags(NamedTuple):
     """Static parts of a step besides the shapes (hashable)."""
 
     attention_backend: str
-    num_top_logprobs: int
-    needs_sort: bool
-    all_greedy: bool
+
+
+def sample_any(logits: jax.Array, md: SamplingMetadata, want_top_logprobs: jax.Array) -> SamplerOutput:
+    """`sample` with its fast paths chosen on the device (`lax.switch`), not by recompiling:
+    all greedy -> argmax only; sampled rows without top-k/top-p -> no cut-off search; else the full
+    path; top logprobs (MAX_TOP_LOGPROBS of them) only when `want_top_logprobs` (bool[]). One
+    executable serves every mix of requests, so warm-up covers all traffic; a row's token is the
+    same whichever branch runs (the flags only skip work no row needs)."""
+    sampled = md.temperature >= GREEDY_EPS  # bool[R]
+    needs_sort = jnp.any(sampled & ((md.top_k > 0) | (md.top_p < 1.0)))
+    branch = jnp.where(needs_sort, 2, jnp.where(jnp.any(sampled), 1, 0))
+    branches = [
+        lambda l, m: sample(l, m, all_greedy=True)[:2],
+        lambda l, m: sample(l, m, needs_sort=False)[:2],
+        lambda l, m: sample(l, m, needs_sort=True)[:2],
+    ]
+    token_ids, logprobs = jax.lax.switch(branch, branches, logits, md)
+    num_rows = logits.shape[0]
+
+    def top(l):
+        vals, ids = jax.lax.top_k(jax.nn.log_softmax(l.astype(jnp.float32), axis=-1), MAX_TOP_LOGPROBS)
+        return ids.astype(jnp.int32), vals
+
+    def no_top(l):
+        return (jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.int32),
+                jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.float32))
+
+    top_ids, top_lps = jax.lax.cond(want_top_logprobs, top, no_top, logits)
+    return SamplerOutput(token_ids, logprobs, top_ids, top_lps)
 
 
 def _bitcast(x: jax.Array, dtype: str) -> jax.Array:
@@ -56,6 +85,7 @@ def step_fn(
     state: nnx.State,
     kv_cache: KVCache,
     buf: jax.Array,  # i32[n] packed step inputs
+    want_top_logprobs: jax.Array,  # bool[] some row asked for top logprobs
     layout: PackedLayout,
     flags: StepFlags,
 ) -> tuple[SamplerOutput, KVCache]:
@@ -64,15 +94,13 @@ def step_fn(
     hidden, kv_cache = model(input_ids, positions, kv_cache, md,
                              attention_backend=flags.attention_backend)  # hidden: [T, H]
     logits = model.compute_logits(hidden[logits_indices])  # f32[R, V]
-    out = sample(logits, sampling, num_top_logprobs=flags.num_top_logprobs,
-                 needs_sort=flags.needs_sort, all_greedy=flags.all_greedy)
-    return out, kv_cache
+    return sample_any(logits, sampling, want_top_logprobs), kv_cache
 
 
 def make_jitted_step(graphdef: nnx.GraphDef):
     """jit with the KV cache donated (argument 1): it is updated in place, never copied."""
 
-    def fn(state, kv_cache, buf, layout, flags):
-        return step_fn(graphdef, state, kv_cache, buf, layout, flags)
+    def fn(state, kv_cache, buf, want_top_logprobs, layout, flags):
+        return step_fn(graphdef, state, kv_cache, buf, want_top_logprobs, layout, flags)
 
-    return jax.jit(fn, donate_argnums=(1,), static_argnums=(3, 4))
+    return jax.jit(fn, donate_argnums=(1,), static_argnums=(4, 5))
