@@ -280,7 +280,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | xla | pallas
     enable_prefix_caching: bool = True
     scheduling: str = "continuous"  # continuous | static
-    quantization: str | None = None  # None | int8 | int4
+    quantization: str | None = None  # None | int8 | int4 (weights; see jaxinfer/quant.py)
+    quant_group_size: int = 32  # int4: 32 | 64 | 128 rows of K per scale
+    quantize_lm_head: bool = False  # also quantize the LM head / tied embedding table
     load_format: str = "auto"  # auto | dummy
     seed: int = 0
 
@@ -303,5 +305,7 @@ class EngineConfig:
             raise ValueError(f"scheduling={self.scheduling!r} must be continuous or static")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization={self.quantization!r} must be None, int8 or int4")
+        if self.quant_group_size not in (32, 64, 128):
+            raise ValueError(f"quant_group_size={self.quant_group_size} must be 32, 64 or 128")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format={self.load_format!r} must be auto or dummy")

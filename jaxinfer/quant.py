@@ -320,3 +320,138 @@ def from_gguf_tensor(tensor) -> QuantizedWeight:
     if len(shape) != 2:
         raise ValueError(f"{tensor.name}: {shape=} must be 2-D")
     return from_gguf(tensor.data, tensor.tensor_type.name, shape)
+
+
+def concat_output_channels(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Fuse projections along N (e.g. q, k, v -> qkv); all must share bits/group_size/symmetry."""
+    first = weights[0]
+    for w in weights[1:]:
+        if (w.bits, w.group_size, w.shape[0], w.mins is None) != (
+                first.bits, first.group_size, first.shape[0], first.mins is None):
+            raise ValueError(f"cannot fuse {w!r} with {first!r}")
+    cat = lambda *a: None if a[0] is None else jnp.concatenate(a, axis=-1)  # noqa: E731
+    return QuantizedWeight(
+        cat(*[w.values for w in weights]), cat(*[w.scales for w in weights]),
+        cat(*[w.mins for w in weights]), first.bits, first.group_size,
+        (first.shape[0], sum(w.shape[1] for w in weights)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing a model: every layers.Linear of the decoder (and optionally the LM head)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """method: int8 (per output channel) | int4 (group-wise along K, packed).
+
+    int4 re-quantization is asymmetric (Q4_1 style: scale and minimum per group) unless
+    symmetric=True (Q4_0 style). The LM head (for tied models: the shared embedding table) is
+    quantized only when quantize_lm_head, with the same method. GGUF tensors are kept as stored
+    when their type is the requested kind (Q8_0 for int8; Q4_0 / Q4_1 for int4 with group 32).
+    """
+
+    method: str
+    group_size: int = 32
+    symmetric: bool = False
+    quantize_lm_head: bool = False
+
+    def __post_init__(self):
+        if self.method not in ("int8", "int4"):
+            raise ValueError(f"method={self.method!r} must be int8 or int4")
+        if self.method == "int4" and self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"group_size={self.group_size} must be one of {INT4_GROUP_SIZES}")
+
+    @classmethod
+    def from_engine_config(cls, ec) -> "QuantConfig | None":
+        if ec.quantization is None:
+            return None
+        return cls(ec.quantization, group_size=ec.quant_group_size,
+                   quantize_lm_head=ec.quantize_lm_head)
+
+    def quantize(self, w) -> QuantizedWeight:
+        if self.method == "int8":
+            return quantize_int8(w)
+        return quantize_int4(w, self.group_size, self.symmetric)
+
+    def accepts_gguf(self, type_name: str) -> bool:
+        """A GGUF tensor type loaded as it is (no float round trip) under this config."""
+        if type_name == "Q8_0":
+            return self.method == "int8"  # int8, group-wise (32) rather than per channel
+        return type_name in ("Q4_0", "Q4_1") and self.method == "int4" and self.group_size == 32
+
+
+# Decoder Linear (path under model.layers) -> the HF tensors fused along its output axis
+# (mirrors models/weights.py, which builds the float params the same way).
+_LAYER_LINEAR_SOURCES = {
+    ("self_attn", "qkv_proj"): ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                "self_attn.v_proj.weight"),
+    ("self_attn", "o_proj"): ("self_attn.o_proj.weight",),
+    ("mlp", "gate_up_proj"): ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    ("mlp", "down_proj"): ("mlp.down_proj.weight",),
+}
+
+
+def _gguf_weight(tensors, name: str, qconfig: QuantConfig) -> QuantizedWeight | None:
+    """One GGUF tensor as a [K, N] QuantizedWeight, or None when it must go through float."""
+    raw = tensors.raw(name)
+    if raw is None or not qconfig.accepts_gguf(raw.type_name):
+        return None
+    qw = from_gguf(raw.data, raw.type_name, raw.shape)
+    return qw if raw.row_perm is None else permute_output_channels(qw, raw.row_perm)
+
+
+def _gguf_linear(tensors, names_per_layer: list[tuple[str, ...]], qconfig) -> QuantizedWeight | None:
+    layers = []
+    for names in names_per_layer:
+        parts = [_gguf_weight(tensors, n, qconfig) for n in names]
+        if any(p is None for p in parts):
+            return None
+        try:
+            layers.append(parts[0] if len(parts) == 1 else concat_output_channels(parts))
+        except ValueError:  # mixed types inside one fused projection
+            return None
+    if len(layers) == 1:
+        return layers[0]
+    try:
+        return stack(layers)
+    except ValueError:  # mixed types across layers
+        return None
+
+
+def quantize_model(model, qconfig: QuantConfig, gguf_tensors=None):
+    """Replace the model's float Linear (and, if asked, the LM head / tied embedding) by quantized
+    ones, in place; returns the model. Float weights are quantized on the device; with
+    `gguf_tensors` (models.gguf_file.GGUFTensors) Q8_0 / Q4_0 / Q4_1 tensors that fit `qconfig`
+    are taken as they are stored (bit-exact with the file), the rest are re-quantized."""
+    from flax import nnx
+
+    from jaxinfer.models.layers import Embed, Linear, QuantizedEmbed, QuantizedLinear
+
+    num_layers = model.config.num_layers
+    for path, module in list(nnx.iter_modules(model)):
+        if not path:
+            continue
+        parent = model
+        for key in path[:-1]:
+            parent = getattr(parent, key)
+        is_head = path == ("lm_head",)
+        if type(module) is Linear and (not is_head or qconfig.quantize_lm_head):
+            qw = None
+            if gguf_tensors is not None and path[0] == "layers" and path[1:] in _LAYER_LINEAR_SOURCES:
+                names = [tuple(f"model.layers.{i}.{n}" for n in _LAYER_LINEAR_SOURCES[path[1:]])
+                         for i in range(num_layers)]
+                qw = _gguf_linear(gguf_tensors, names, qconfig)
+            elif gguf_tensors is not None and is_head:
+                qw = _gguf_linear(gguf_tensors, [("lm_head.weight",)], qconfig)
+            if qw is None:
+                qw = qconfig.quantize(module.weight[...])
+            setattr(parent, path[-1], QuantizedLinear(qw, module.bias, dtype=module.dtype))
+        elif (type(module) is Embed and path == ("embed_tokens",) and qconfig.quantize_lm_head
+              and model.lm_head is None):  # tied: the table is the LM head
+            qw = None
+            if gguf_tensors is not None:
+                qw = _gguf_linear(gguf_tensors, [("model.embed_tokens.weight",)], qconfig)
+            if qw is None:
+                qw = qconfig.quantize(module.embedding[...].T)
+            setattr(parent, path[-1], QuantizedEmbed(qw, dtype=module.dtype))
+    return model

@@ -252,3 +252,154 @@ def test_gguf_q_permutation_commutes_with_import(smollm2_tensors):
 def test_gguf_rejects_other_types():
     with pytest.raises(ValueError, match="type_name"):
         quant.from_gguf(np.zeros((2, 2), np.uint8), "Q5_K", (2, 256))
+
+
+# --- quantized models (tiny HF checkpoints and GGUF files) --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dirs(tmp_path_factory):
+    pytest.importorskip("torch")
+    from tests.tiny_models import save_tiny_gguf, save_tiny_model
+
+    root = tmp_path_factory.mktemp("quant_models")
+    dirs = {"llama": save_tiny_model("llama", root / "llama"),
+            "qwen2": save_tiny_model("qwen2", root / "qwen2")}  # tied embeddings, q/k/v biases
+    for arch in ("llama", "qwen2"):
+        for t in ("Q4_1", "Q4_0", "Q8_0"):
+            dirs[f"{arch}-{t}"] = save_tiny_gguf(dirs[arch], root / f"{arch}-{t}.gguf", t)
+    return dirs
+
+
+def _logits(model, token_ids):
+    from flax import nnx
+
+    from jaxinfer.runtime.kv_cache import allocate_kv_cache
+    from tests.tiny_models import paged_batch
+
+    graphdef, state = nnx.split(model)
+    page_size, num_pages = 4, 8
+    pages = list(range(1, 1 + -(-len(token_ids) // page_size)))
+    ids, pos, md = paged_batch([(token_ids, 0, pages)], page_size=page_size, num_tokens=16,
+                               num_seqs=1, pages_per_seq=len(pages))
+
+    @jax.jit
+    def forward(state, ids, pos, cache, md):
+        m = nnx.merge(graphdef, state)
+        hidden, _ = m(ids, pos, cache, md, attention_backend="xla")
+        return m.compute_logits(hidden)
+
+    cache = allocate_kv_cache(model.config, num_pages, page_size, jnp.float32)
+    return np.asarray(forward(state, ids, pos, cache, md))[:len(token_ids)]
+
+
+TOKENS = [1, 17, 42, 99, 7, 250, 3, 81, 64, 12, 300, 5]
+
+
+@pytest.fixture(scope="module")
+def float_logits(tiny_model_dirs):
+    """name -> logits of TOKENS under the float model of tiny_model_dirs[name] (cached)."""
+    from jaxinfer.models.loader import load_model
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = _logits(load_model(tiny_model_dirs[name])[1], TOKENS)
+        return cache[name]
+
+    return get
+
+
+def _rel(a, b):
+    return np.abs(a - b).max() / np.abs(b).max()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("method,group_size,reference,factor", [
+    ("int8", 32, "Q8_0", 1.2), ("int4", 32, "Q4_1", 1.2), ("int4", 128, "Q4_1", 1.6)])
+def test_quantized_model_logits_close_to_float(tiny_model_dirs, float_logits, arch, method,
+                                               group_size, reference, factor):
+    """Quantize-on-load of an HF checkpoint: the logits move from the float model's no more than
+    llama.cpp's own quantization of the same weights moves them (its GGUF, loaded as float)."""
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.models.layers import Embed, QuantizedLinear
+    from jaxinfer.models.loader import load_model
+
+    _, q_model = load_model(tiny_model_dirs[arch], EngineConfig(quantization=method,
+                                                                quant_group_size=group_size))
+    assert isinstance(q_model.layers.self_attn.qkv_proj, QuantizedLinear)
+    assert isinstance(q_model.layers.mlp.down_proj, QuantizedLinear)
+    assert q_model.layers.mlp.down_proj.group_size == (128 if method == "int8" else group_size)  # K
+    assert type(q_model.embed_tokens) is Embed  # quantize_lm_head is off by default
+    want = float_logits(arch)
+    err = _rel(_logits(q_model, TOKENS), want)
+    err_llama_cpp = _rel(float_logits(f"{arch}-{reference}"), want)
+    assert 0 < err < factor * err_llama_cpp
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantize_lm_head(tiny_model_dirs, float_logits, arch):
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.models.layers import QuantizedEmbed, QuantizedLinear
+    from jaxinfer.models.loader import load_model
+
+    _, q_model = load_model(tiny_model_dirs[arch], EngineConfig(quantization="int8",
+                                                                quantize_lm_head=True))
+    if arch == "qwen2":  # tied: the shared table
+        assert isinstance(q_model.embed_tokens, QuantizedEmbed) and q_model.lm_head is None
+    else:
+        assert isinstance(q_model.lm_head, QuantizedLinear)
+    want, got = float_logits(arch), _logits(q_model, TOKENS)
+    assert _rel(got, want) < 1.5 * _rel(float_logits(f"{arch}-Q8_0"), want)
+
+
+@pytest.mark.parametrize("tensor_type,method", [("Q4_1", "int4"), ("Q4_0", "int4"),
+                                                ("Q8_0", "int8")])
+def test_gguf_tensors_load_as_stored(tiny_model_dirs, tensor_type, method):
+    """With quantization requested, GGUF Q4_0/Q4_1/Q8_0 weights load without a float round trip:
+    the quantized model's weights dequantize bit-exactly to the float model's (which the loader
+    dequantizes with gguf), Q/K row permutation included, and the logits agree."""
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.models.loader import load_model
+
+    path = tiny_model_dirs[f"llama-{tensor_type}"]
+    _, float_model = load_model(path)
+    _, q_model = load_model(path, EngineConfig(quantization=method, quantize_lm_head=True))
+    pairs = [(q_model.layers.self_attn.qkv_proj, float_model.layers.self_attn.qkv_proj),
+             (q_model.layers.self_attn.o_proj, float_model.layers.self_attn.o_proj),
+             (q_model.layers.mlp.gate_up_proj, float_model.layers.mlp.gate_up_proj),
+             (q_model.layers.mlp.down_proj, float_model.layers.mlp.down_proj),
+             (q_model.lm_head, float_model.lm_head)]
+    for q_linear, f_linear in pairs:
+        assert q_linear.group_size == 32 and q_linear.bits == (8 if method == "int8" else 4)
+        np.testing.assert_array_equal(quant.dequantize(q_linear.qweight), f_linear.weight[...])
+    want, got = _logits(float_model, TOKENS), _logits(q_model, TOKENS)
+    assert _rel(got, want) < 1e-5
+
+
+def test_gguf_other_group_size_is_requantized(tiny_model_dirs):
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.models.loader import load_model
+
+    _, q_model = load_model(tiny_model_dirs["llama-Q4_1"], EngineConfig(quantization="int4",
+                                                                  quant_group_size=64))
+    assert q_model.layers.mlp.down_proj.group_size == 64
+
+
+def test_dummy_weights_quantize():
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.models.loader import load_model
+
+    tiny = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2}
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(tiny, f)
+    _, model = load_model(f.name, EngineConfig(load_format="dummy", quantization="int4"))
+    os.unlink(f.name)
+    assert model.layers.mlp.down_proj.qweight.values.shape == (2, 48, 64)
+    assert np.isfinite(_logits(model, [1, 2, 3])).all()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
@@ -108,6 +108,15 @@ def hf_name(gguf_name: str) -> str | None:
     raise ValueError(f"GGUF tensor {gguf_name!r} is not a known Llama/Qwen2 weight")
 
 
+class RawTensor(NamedTuple):
+    """A tensor's stored bytes, for loaders that keep GGUF's quantized types (jaxinfer.quant)."""
+
+    data: np.ndarray  # u8[rows, bytes per row] as the file stores it
+    type_name: str  # "Q4_1", "Q8_0", ...
+    shape: tuple[int, ...]  # numpy (HF) shape of the float tensor: (rows, cols)
+    row_perm: np.ndarray | None  # i64[rows]: rows to take to undo llama.cpp's Q/K reordering
+
+
 class GGUFTensors:
     """Read-only mapping HF name -> float32 numpy array over a GGUF file (dequantized lazily)."""
 
@@ -127,6 +136,20 @@ class GGUFTensors:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._gguf_names)
+
+    def raw(self, name: str) -> RawTensor | None:
+        """Tensor `name` as stored (not dequantized); None if the file has no such tensor."""
+        gguf_name = self._gguf_names.get(name)
+        tensor = next((t for t in self._reader.tensors if t.name == gguf_name), None)
+        if tensor is None:
+            return None
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        row_perm = None
+        if self._permuted and ".self_attn.q_proj." in name:
+            row_perm = unpermute_rotary_rows(np.arange(shape[0]), self._num_heads)
+        elif self._permuted and ".self_attn.k_proj." in name:
+            row_perm = unpermute_rotary_rows(np.arange(shape[0]), self._num_kv_heads)
+        return RawTensor(tensor.data, tensor.tensor_type.name, shape, row_perm)
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._gguf_names:

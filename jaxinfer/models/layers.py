@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.quant import QuantizedWeight, quantized_embedding, quantized_matmul
 
 _INIT_STD = 0.02
 
@@ -113,3 +114,54 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     cos = cos[:, None, :].astype(x.dtype)
     sin = sin[:, None, :].astype(x.dtype)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+class QuantizedLinear(Linear):
+    """Linear over a `quant.QuantizedWeight` (int8 / int4): params values, scales (, mins) [, bias].
+
+    Built from a float Linear by `jaxinfer.quant.quantize_model`; leading stacked dims ([L, ...])
+    are allowed, the scan over layers slices them before `matmul` runs.
+    """
+
+    def __init__(self, qweight, bias: nnx.Param | None = None, *, dtype=jnp.float32):
+        self.in_features, self.out_features = qweight.shape
+        self.dtype = dtype
+        self.bits, self.group_size = qweight.bits, qweight.group_size
+        self.values = nnx.Param(qweight.values)
+        self.scales = nnx.Param(qweight.scales)
+        self.mins = None if qweight.mins is None else nnx.Param(qweight.mins)
+        self.bias = bias
+
+    @property
+    def qweight(self):
+        return QuantizedWeight(self.values[...], self.scales[...],
+                               None if self.mins is None else self.mins[...], self.bits,
+                               self.group_size, (self.in_features, self.out_features))
+
+    def matmul(self, x: jax.Array) -> jax.Array:
+        return quantized_matmul(x.astype(self.dtype), self.qweight)
+
+
+class QuantizedEmbed(Embed):
+    """Embed over a `quant.QuantizedWeight` stored in LM-head layout [features, num_embeddings],
+    so the tied head is a plain quantized matmul and a lookup dequantizes only its columns."""
+
+    def __init__(self, qweight, *, dtype=jnp.float32):
+        self.dtype = dtype
+        self.bits, self.group_size = qweight.bits, qweight.group_size
+        self.features, self.num_embeddings = qweight.shape
+        self.values = nnx.Param(qweight.values)
+        self.scales = nnx.Param(qweight.scales)
+        self.mins = None if qweight.mins is None else nnx.Param(qweight.mins)
+
+    @property
+    def qweight(self):
+        return QuantizedWeight(self.values[...], self.scales[...],
+                               None if self.mins is None else self.mins[...], self.bits,
+                               self.group_size, (self.features, self.num_embeddings))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return quantized_embedding(self.qweight, ids, self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        return quantized_matmul(x.astype(self.dtype), self.qweight).astype(jnp.float32)

@@ -147,7 +147,7 @@ def load_model(path_or_name: str | os.PathLike,
     dtype = jnp.dtype(engine_config.dtype)
     if engine_config.load_format == "dummy":
         config = load_model_config(path_or_name)
-        return config, init_dummy_model(config, dtype, engine_config.seed)
+        return config, _quantized(init_dummy_model(config, dtype, engine_config.seed), engine_config)
     source = model_source(path_or_name)
     if source.is_gguf:
         from jaxinfer.models.gguf_file import GGUFTensors, open_gguf
@@ -160,4 +160,13 @@ def load_model(path_or_name: str | os.PathLike,
 
         config = ModelConfig.from_hf_dir(source.path)
         tensors = SafetensorsDir(source.path)
-    return config, model_from_params(config, params_from_hf(config, tensors, dtype), dtype)
+    model = model_from_params(config, params_from_hf(config, tensors, dtype), dtype)
+    return config, _quantized(model, engine_config, tensors if source.is_gguf else None)
+
+
+def _quantized(model: LlamaForCausalLM, engine_config: EngineConfig, gguf_tensors=None):
+    """engine_config.quantization: swap Linear for QuantizedLinear (GGUF Q8_0/Q4_0/Q4_1 as stored)."""
+    from jaxinfer.quant import QuantConfig, quantize_model
+
+    qconfig = QuantConfig.from_engine_config(engine_config)
+    return model if qconfig is None else quantize_model(model, qconfig, gguf_tensors)
