@@ -285,6 +285,15 @@ class EngineConfig:
     quantize_lm_head: bool = False  # also quantize the LM head / tied embedding table
     load_format: str = "auto"  # auto | dummy
     seed: int = 0
+    # Speculative decoding (jaxinfer/spec_decode.py; the policy in jaxinfer/sched/spec_policy.py)
+    speculative_method: str | None = None  # None | "ngram" (prompt lookup) | "draft" (a model)
+    num_speculative_tokens: int = 4  # k: the most drafts verified per request per step
+    ngram_min: int = 2  # n-gram prompt lookup tries n = ngram_max .. ngram_min
+    ngram_max: int = 4
+    draft_model: str | None = None  # "draft": a model sharing the target's tokenizer
+    draft_quantization: str | None = None  # None | int8 | int4 (weights of the draft)
+    spec_max_batched_tokens: int = 64  # decode + draft tokens a step may verify (see the policy)
+    spec_min_accept_prob: float = 0.3  # the j-th draft is proposed while alpha**j >= this
 
     def __post_init__(self):
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -309,3 +318,22 @@ class EngineConfig:
             raise ValueError(f"quant_group_size={self.quant_group_size} must be 32, 64 or 128")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format={self.load_format!r} must be auto or dummy")
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative_method not in (None, "ngram", "draft"):
+            raise ValueError(
+                f"speculative_method={self.speculative_method!r} must be None, 'ngram' or 'draft'")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 16]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"ngram_min={self.ngram_min} and ngram_max={self.ngram_max} must "
+                             "satisfy 1 <= ngram_min <= ngram_max")
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method='draft' needs draft_model (a path or model name)")
+        if self.draft_quantization not in (None, "int8", "int4"):
+            raise ValueError(f"draft_quantization={self.draft_quantization!r} must be None, int8 or int4")
+        if self.spec_max_batched_tokens < 0:
+            raise ValueError(f"spec_max_batched_tokens={self.spec_max_batched_tokens} must be >= 0")
+        if not 0.0 <= self.spec_min_accept_prob <= 1.0:
+            raise ValueError(f"spec_min_accept_prob={self.spec_min_accept_prob} must be in [0, 1]")

@@ -14,7 +14,9 @@ from jaxinfer.request import Request, RequestOutput
 from jaxinfer.runtime.kv_cache import kv_cache_bytes_per_page
 from jaxinfer.runtime.runner import ModelRunner, device_memory_bytes_free, kv_dtype_of, param_bytes
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.spec_decode import DraftModel, NgramProposer, load_draft_model
 from jaxinfer.sched.scheduler import Scheduler
+from jaxinfer.sched.spec_policy import SpecPolicy
 from jaxinfer.sched.stats import SchedulerStats
 from jaxinfer.sched.step_input import StepBuckets, make_step_input, warmup_step_inputs
 from jaxinfer.tokenizer import Tokenizer
@@ -30,11 +32,18 @@ class EngineMetrics(SchedulerStats):
     compile_seconds: float = 0.0
     num_draft_tokens_total: int = 0
     num_accepted_tokens_total: int = 0
+    num_spec_steps_total: int = 0  # verifications of at least one draft
 
     @property
     def spec_acceptance_rate(self) -> float:
         n = self.num_draft_tokens_total
         return self.num_accepted_tokens_total / n if n else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verification (accepted drafts + the target's own token)."""
+        n = self.num_spec_steps_total
+        return 1.0 + self.num_accepted_tokens_total / n if n else 0.0
 
 
 class LLMEngine:
@@ -49,11 +58,19 @@ class LLMEngine:
             source = model_source(model)
             self.tokenizer = Tokenizer.from_source(source.path, source.gguf_file)
         self.max_model_len = self._max_model_len(self.model_config, self.engine_config)
+        self.draft_config, draft_module = self._load_draft(model)
         self.num_pages = self._num_pages(model_module)
-        self.runner = ModelRunner(self.model_config, self.engine_config, model_module, self.num_pages)
-        del model_module
+        draft = None if draft_module is None else DraftModel.create(
+            self.draft_config, draft_module, self.engine_config, self.num_pages)
+        self.runner = ModelRunner(self.model_config, self.engine_config, model_module, self.num_pages,
+                                  draft=draft)
+        del model_module, draft_module
         eos_ids = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
-        self.scheduler = Scheduler(self.engine_config, self.num_pages, self.max_model_len, eos_ids)
+        self.spec_policy = SpecPolicy.from_config(self.engine_config)
+        self.ngram = (NgramProposer(self.engine_config.ngram_min, self.engine_config.ngram_max)
+                      if self.engine_config.speculative_method == "ngram" else None)
+        self.scheduler = Scheduler(self.engine_config, self.num_pages, self.max_model_len, eos_ids,
+                                   spec_policy=self.spec_policy)
         self.outputs = OutputProcessor(self.tokenizer)
         self.buckets = StepBuckets.coarse(self.engine_config, self.max_model_len)
         self.num_steps = 0
@@ -77,8 +94,22 @@ class LLMEngine:
         return ec.max_model_len
 
     def _bytes_per_page(self) -> int:
-        return kv_cache_bytes_per_page(self.model_config, self.engine_config.page_size,
-                                       kv_dtype_of(self.engine_config))
+        configs = [self.model_config] + ([self.draft_config] if self.draft_config else [])
+        return sum(kv_cache_bytes_per_page(c, self.engine_config.page_size,
+                                           kv_dtype_of(self.engine_config)) for c in configs)
+
+    def _load_draft(self, model: str):
+        """(ModelConfig, module) of the draft model, or (None, None)."""
+        ec = self.engine_config
+        if ec.speculative_method != "draft":
+            return None, None
+        target_file = model_source(model).file if ec.load_format != "dummy" else ""
+        config, module = load_draft_model(ec, self.model_config,
+                                          self.tokenizer.hf_tokenizer.get_vocab(), target_file)
+        if config.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"draft model context {config.max_position_embeddings} is shorter "
+                             f"than max_model_len={self.max_model_len}")
+        return config, module
 
     def _num_pages(self, model_module) -> int:
         ec = self.engine_config
@@ -122,12 +153,16 @@ class LLMEngine:
             )
         if any(r.request_id == request_id for r in self.scheduler.all_requests()):
             raise ValueError(f"request_id={request_id!r} is already in use")
+        method = self.engine_config.speculative_method
+        if params.spec_decode and method is None:
+            raise ValueError("spec_decode=True needs an engine with speculative_method set")
         req = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
+            spec_enabled=method is not None and params.spec_decode is not False,
         )
         self.scheduler.add_request(req)
         self.outputs.add(req, prompt_text)
@@ -148,8 +183,28 @@ class LLMEngine:
                                      buckets=self.buckets)
         runner_out = self.runner.execute(step_input)
         updated = self.scheduler.update(sched_out, runner_out)
+        if self.spec_policy is not None:
+            self._propose(sched_out, runner_out, updated)
         self.num_steps += 1
         return self.outputs.process(updated, self.scheduler)
+
+    def _propose(self, sched_out, runner_out, updated: list[Request]) -> None:
+        """Drafts for the next step: n-gram lookup here, or the draft model's from this step."""
+        if self.ngram is not None:
+            num_requests = len(self.scheduler.running) + len(self.scheduler.waiting)
+            for req in updated:
+                if req.is_finished() or req.num_tokens - req.num_computed_tokens != 1:
+                    continue
+                k = self.spec_policy.num_drafts(req, num_requests)
+                req.spec_token_ids = self.ngram.propose(req.all_token_ids, k) if k else []
+            return
+        draft_ids = runner_out.draft_token_ids  # i32[S, K]
+        for s, item in enumerate(sched_out.scheduled):
+            req = item.request
+            if item.num_lookahead and not req.is_finished() and \
+                    req.num_tokens - req.num_computed_tokens == 1:
+                drafts = draft_ids[s, :item.num_lookahead].tolist()
+                req.spec_token_ids = drafts[:drafts.index(-1)] if -1 in drafts else drafts
 
     def warmup(self) -> None:
         """Compiles every shape bucket now, so no request waits through a compile."""
@@ -167,6 +222,9 @@ class LLMEngine:
             **{f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)},
             num_compilations=self.runner.num_compilations,
             compile_seconds=self.runner.compile_seconds,
+            num_draft_tokens_total=self.scheduler.num_draft_tokens_total,
+            num_accepted_tokens_total=self.scheduler.num_accepted_tokens_total,
+            num_spec_steps_total=self.scheduler.num_spec_steps_total,
         )
 
     def weight_bytes(self) -> int:

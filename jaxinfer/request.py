@@ -67,6 +67,21 @@ class RequestMetrics:
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache at first admission
     num_preemptions: int
+    num_draft_tokens: int = 0  # speculative drafts verified
+    num_accepted_tokens: int = 0  # of which accepted
+    num_spec_steps: int = 0  # steps that verified at least one draft
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed drafts; None when nothing was proposed."""
+        n = self.num_draft_tokens
+        return self.num_accepted_tokens / n if n else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verification step: accepted drafts + the target's own token."""
+        n = self.num_spec_steps
+        return 1.0 + self.num_accepted_tokens / n if n else None
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -119,10 +134,17 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
 
-    # -- speculative decoding (filled by the proposer; not scheduled yet) -------------------
-    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    # -- speculative decoding -----------------------------------------------------------------
+    spec_enabled: bool = False  # resolved when added: sampling_params.spec_decode or the engine's
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)  # drafts for the next step
+    num_lookahead_tokens: int = 0  # pages held past num_computed_tokens for this step's drafting
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
+    # acceptance estimate (sched/spec_policy.py): decayed accepted / decayed trials
+    spec_accept_num: float = 0.0
+    spec_accept_den: float = 0.0
+    spec_idle_steps: int = 0  # decode steps since the last draft was verified
 
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -173,6 +195,9 @@ class Request:
             num_output_tokens=self.num_output_tokens,
             num_cached_tokens=max(self.num_cached_tokens, 0),
             num_preemptions=self.num_preemptions,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            num_spec_steps=self.num_spec_steps,
         )
 
 

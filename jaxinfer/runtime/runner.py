@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.runtime.kv_cache import allocate_kv_cache
-from jaxinfer.runtime.step import StepFlags, make_jitted_step
+from jaxinfer.runtime.step import StepFlags, make_jitted_draft_step, make_jitted_step
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,8 @@ class RunnerOutput:
     logprobs: np.ndarray  # f32[R]
     top_token_ids: np.ndarray | None = None  # i32[R, K]
     top_logprobs: np.ndarray | None = None  # f32[R, K]
+    draft_token_ids: np.ndarray | None = None  # i32[S, num_speculative_tokens] a draft model's
+    #   proposals for the next step, -1 padded (None without a draft model)
 
 
 def resolve_attention_backend(backend: str) -> str:
@@ -41,13 +43,16 @@ class ModelRunner:
         engine_config: EngineConfig,
         model: nnx.Module,
         num_pages: int,
+        draft=None,  # spec_decode.DraftModel: run with the target in every step
     ):
         self.model_config = model_config
         self.engine_config = engine_config
         self.num_pages = num_pages
         self.attention_backend = resolve_attention_backend(engine_config.attention_backend)
         graphdef, self.state = nnx.split(model)
-        self._step = make_jitted_step(graphdef)
+        self.draft = draft
+        self._step = (make_jitted_step(graphdef) if draft is None
+                      else make_jitted_draft_step(graphdef, draft.graphdef))
         kv_dtype = engine_config.kv_cache_dtype or engine_config.dtype
         self.kv_cache = allocate_kv_cache(model_config, num_pages, engine_config.page_size, kv_dtype)
         self._seen_signatures: set[tuple] = set()
@@ -63,9 +68,16 @@ class ModelRunner:
         is_new = signature not in self._seen_signatures
         t0 = time.perf_counter()
         want_top = np.bool_(step_input.num_top_logprobs > 0)
-        out, self.kv_cache = self._step(self.state, self.kv_cache, jax.device_put(buf), want_top,
-                                        layout, flags)
-        host = jax.device_get(out)  # the one device->host transfer of the step
+        draft_ids = None
+        if self.draft is None:
+            out, self.kv_cache = self._step(self.state, self.kv_cache, jax.device_put(buf), want_top,
+                                            layout, flags)
+        else:
+            d = self.draft
+            (out, draft_ids), self.kv_cache, d.kv_cache, d.q_store = self._step(
+                self.state, self.kv_cache, d.state, d.kv_cache, d.q_store, jax.device_put(buf),
+                want_top, layout, flags)
+        host, draft_ids = jax.device_get((out, draft_ids))  # the one device->host transfer
         if is_new:
             self._seen_signatures.add(signature)
             self.num_compilations += 1
@@ -78,6 +90,7 @@ class ModelRunner:
             logprobs=np.asarray(host.logprobs[:n]),
             top_token_ids=np.asarray(host.top_token_ids[:n]) if want else None,
             top_logprobs=np.asarray(host.top_logprobs[:n]) if want else None,
+            draft_token_ids=None if draft_ids is None else np.asarray(draft_ids),
         )
 
     def _flags(self, si) -> StepFlags:

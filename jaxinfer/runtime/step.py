@@ -16,6 +16,7 @@ from flax import nnx
 from jaxinfer.runtime.kv_cache import AttentionMetadata, KVCache
 from jaxinfer.runtime.sampler import GREEDY_EPS, SamplerOutput, SamplingMetadata, sample
 from jaxinfer.sched.step_input import PackedLayout, unpack
+from jaxinfer.spec_decode import DraftInputs, SpecInputs, propose_drafts, verify_drafts
 
 _OPTIONAL_SAMPLING = ("prompt_token_ids", "output_token_ids", "bias_token_ids", "bias_values",
                       "allowed_token_bitmask")
@@ -80,6 +81,21 @@ def unpack_step(buf: jax.Array, layout: PackedLayout):
     return f["input_ids"], f["positions"], md, f["logits_indices"], sampling
 
 
+def unpack_spec(buf: jax.Array, layout: PackedLayout) -> tuple[SpecInputs | None, DraftInputs | None]:
+    """The speculative-decoding parts of a packed buffer (None where the layout has none)."""
+    names = {f.name for f in layout}
+    if "spec_row_ids" not in names and "draft_k" not in names:
+        return None, None
+    f = unpack(buf, layout, _bitcast)
+    spec = draft = None
+    if "spec_row_ids" in names:
+        spec = SpecInputs(f["spec_row_ids"], f["spec_draft_ids"], f["spec_num_draft"],
+                          f["spec_seq_ids"], f["spec_store_rows"])
+    if "draft_k" in names:
+        draft = DraftInputs(f["draft_k"], f["seq_rows"], f["seq_store_rows"])
+    return spec, draft
+
+
 def step_fn(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -94,7 +110,33 @@ def step_fn(
     hidden, kv_cache = model(input_ids, positions, kv_cache, md,
                              attention_backend=flags.attention_backend)  # hidden: [T, H]
     logits = model.compute_logits(hidden[logits_indices])  # f32[R, V]
-    return sample_any(logits, sampling, want_top_logprobs), kv_cache
+    out = sample_any(logits, sampling, want_top_logprobs)
+    spec, _ = unpack_spec(buf, layout)
+    if spec is not None:  # speculative verification (n-gram drafts: q one-hot)
+        out, _ = verify_drafts(logits, sampling, out, spec)
+    return out, kv_cache
+
+
+def draft_step_fn(graphdef, draft_graphdef, state, kv_cache, draft_state, draft_kv, q_store, buf,
+                  want_top_logprobs, layout: PackedLayout, flags: StepFlags):
+    """`step_fn` plus a draft model: verify last step's drafts, run the draft over the batch and
+    propose the next drafts, in one call. -> ((SamplerOutput, drafts i32[S, K]), kv_cache,
+    draft_kv, q_store)."""
+    model = nnx.merge(graphdef, state)
+    input_ids, positions, md, logits_indices, sampling = unpack_step(buf, layout)
+    hidden, kv_cache = model(input_ids, positions, kv_cache, md,
+                             attention_backend=flags.attention_backend)  # hidden: [T, H]
+    logits = model.compute_logits(hidden[logits_indices])  # f32[R, V]
+    out = sample_any(logits, sampling, want_top_logprobs)
+    spec, draft = unpack_spec(buf, layout)
+    num_accepted = jnp.zeros(md.kv_lens.shape, jnp.int32)  # i32[S]
+    if spec is not None:
+        out, accepted = verify_drafts(logits, sampling, out, spec, q_store)
+        num_accepted = num_accepted.at[spec.seq_ids].set(accepted, mode="drop")
+    draft_ids, draft_kv, q_store = propose_drafts(
+        nnx.merge(draft_graphdef, draft_state), draft_kv, q_store, input_ids, positions, md,
+        sampling, out.token_ids, num_accepted, draft, attention_backend=flags.attention_backend)
+    return (out, draft_ids), kv_cache, draft_kv, q_store
 
 
 def make_jitted_step(graphdef: nnx.GraphDef):
@@ -104,3 +146,13 @@ def make_jitted_step(graphdef: nnx.GraphDef):
         return step_fn(graphdef, state, kv_cache, buf, want_top_logprobs, layout, flags)
 
     return jax.jit(fn, donate_argnums=(1,), static_argnums=(4, 5))
+
+
+def make_jitted_draft_step(graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef):
+    """jit of `draft_step_fn` with both KV caches and the draft-probability store donated."""
+
+    def fn(state, kv_cache, draft_state, draft_kv, q_store, buf, want_top_logprobs, layout, flags):
+        return draft_step_fn(graphdef, draft_graphdef, state, kv_cache, draft_state, draft_kv,
+                             q_store, buf, want_top_logprobs, layout, flags)
+
+    return jax.jit(fn, donate_argnums=(1, 3, 4), static_argnums=(7, 8))

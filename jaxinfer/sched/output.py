@@ -16,8 +16,13 @@ class ScheduledRequest:
 
     request: Request
     num_computed_tokens: int  # context already in the cache: the position of the first new token
-    num_new_tokens: int  # q_len: 1 for a decode, N for a prefill chunk
+    num_new_tokens: int  # q_len: 1 for a decode, N for a prefill chunk, 1 + drafts to verify
     samples: bool  # the new tokens reach the end of the known tokens, so a token is sampled
+    # Speculative decoding: drafts verified this step (the last new tokens, after the request's
+    # last known token), and for a draft model, how many drafts it proposes for the next step
+    # (pages are held for their K/V: `Request.num_lookahead_tokens`).
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_lookahead: int = 0
 
     @property
     def kv_len(self) -> int:
@@ -25,8 +30,15 @@ class ScheduledRequest:
         return self.num_computed_tokens + self.num_new_tokens
 
     @property
+    def num_rows(self) -> int:
+        """Sampled rows: one per verified position (1 + drafts); 1 otherwise (ignored unless
+        `samples`)."""
+        return 1 + len(self.spec_token_ids)
+
+    @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.num_computed_tokens:self.kv_len]
+        known = self.request.all_token_ids[self.num_computed_tokens:self.kv_len]
+        return known + self.spec_token_ids if self.spec_token_ids else known
 
 
 @dataclasses.dataclass

@@ -35,6 +35,11 @@ class PageTable:
         self.table[row, start:start + len(page_ids)] = page_ids
         self._num_pages[row] = start + len(page_ids)
 
+    def truncate(self, row: int, num_pages: int) -> None:
+        """Keeps the row's first `num_pages` pages (speculative rollback frees the rest)."""
+        self.table[row, num_pages:self._num_pages[row]] = 0
+        self._num_pages[row] = min(self._num_pages[row], num_pages)
+
     def free_row(self, row: int) -> None:
         self.table[row, :self._num_pages[row]] = 0
         self._num_pages[row] = 0

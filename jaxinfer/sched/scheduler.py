@@ -11,6 +11,13 @@ and, between steps, `finish_request(id, "stop", stop_reason=s)` for stop strings
 schedule() fills a token budget (max_num_batched_tokens) and a sequence budget (max_num_seqs):
 running decodes first, then running prefill chunks, then new admissions (FCFS or priority).
 A running request that cannot get a page preempts the most recently admitted one by recompute.
+
+Speculative decoding: a decoding request with drafts (`Request.spec_token_ids`, set by the engine's
+proposer between steps) schedules 1 + k new tokens, its last token plus the drafts, which the step
+verifies; `update` appends the accepted drafts plus the target's own next token and rolls the
+rejected drafts back by lowering `num_computed_tokens` (their pages are freed). How many drafts a
+request gets is `spec_policy`'s call (sched/spec_policy.py), capped here by the token budget, the
+context limit and max_tokens; drafts never preempt anyone (no free page: no drafts this step).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from jaxinfer.request import Request, RequestStatus, SampledLogprobs
 from jaxinfer.sched.output import ScheduledRequest, SchedulerOutput
 from jaxinfer.sched.page_pool import PagePool, extend_page_hashes
 from jaxinfer.sched.page_table import PageTable
+from jaxinfer.sched.spec_policy import SpecPolicy
 from jaxinfer.sched.stats import SchedulerStats
 
 POLICIES = ("fcfs", "priority")
@@ -51,6 +59,7 @@ class Scheduler:
         *,
         policy: str = "fcfs",
         clock: Callable[[], float] = time.monotonic,
+        spec_policy: SpecPolicy | None = None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"{policy=} must be one of {POLICIES}")
@@ -67,6 +76,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.policy = policy
         self.clock = clock
+        self.spec_policy = spec_policy
         self.pool = PagePool(num_pages, page_size, engine_config.enable_prefix_caching)
         self.page_table = PageTable(engine_config.max_num_seqs, -(-max_model_len // page_size))
         self.waiting: collections.deque[Request] = collections.deque()  # head is admitted next
@@ -80,6 +90,9 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_finished = 0
+        self.num_draft_tokens_total = 0
+        self.num_accepted_tokens_total = 0
+        self.num_spec_steps_total = 0
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -142,16 +155,47 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted a moment ago by another one's growth
             num_new = min(req.num_tokens - req.num_computed_tokens, budget.num_tokens)
+            spec_ids, lookahead = self._spec_plan(req, num_new, budget)
+            if (spec_ids or lookahead) and not self._grow_pages(
+                    req, req.num_computed_tokens + num_new + len(spec_ids) + lookahead,
+                    scheduled, preempted, may_preempt=False):
+                spec_ids, lookahead = [], 0  # drafts never preempt anyone
             if self._grow_pages(req, req.num_computed_tokens + num_new, scheduled, preempted):
-                scheduled.append(self._take(req, num_new, budget))
+                scheduled.append(self._take(req, num_new, budget, spec_ids, lookahead))
 
-    def _grow_pages(self, req, num_tokens_after, scheduled, preempted) -> bool:
-        """Pages for `num_tokens_after` tokens, preempting others if needed; False if `req`
-        itself had to be preempted."""
+    def _spec_plan(self, req: Request, num_new: int, budget: _Budget) -> tuple[list[int], int]:
+        """(drafts to verify this step, drafts a draft model proposes in it) for `req`."""
+        if self.spec_policy is None or not req.spec_enabled:
+            return [], 0
+        if req.num_computed_tokens + num_new != req.num_tokens:
+            return [], 0  # a mid-prompt chunk samples nothing
+        sp = req.sampling_params
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
+        spec_ids: list[int] = []
+        if num_new == 1 and req.spec_token_ids:
+            room = min(budget.num_tokens - 1, self.max_model_len - req.num_tokens,
+                       max_tokens - req.num_output_tokens - 1)
+            spec_ids = req.spec_token_ids[:max(room, 0)]
+        return spec_ids, self._draft_lookahead(req, req.num_tokens + len(spec_ids))
+
+    def _draft_lookahead(self, req: Request, kv_len: int) -> int:
+        """Drafts a draft model proposes in a step that ends at `kv_len` (pages are held for them)."""
+        if self.spec_policy is None or not self.spec_policy.draft_lookahead or not req.spec_enabled:
+            return 0
+        sp = req.sampling_params
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
+        k = self.spec_policy.num_drafts(req, len(self.running) + len(self.waiting))
+        return max(0, min(k, self.max_model_len - kv_len, max_tokens - req.num_output_tokens - 2))
+
+    def _grow_pages(self, req, num_tokens_after, scheduled, preempted, may_preempt=True) -> bool:
+        """Pages for `num_tokens_after` tokens, preempting others if needed (and allowed); False if
+        `req` itself had to be preempted (or there were no free pages and no preempting)."""
         num_more = -(-num_tokens_after // self.page_size) - len(req.page_ids)
         if num_more <= 0:
             return True
         while (page_ids := self.pool.allocate(num_more)) is None:
+            if not may_preempt:
+                return False
             victim = self._pick_victim(req, scheduled)
             self._preempt(victim)
             preempted.append(victim)
@@ -193,8 +237,14 @@ class Scheduler:
         hit_page_ids = self.pool.find_cached_prefix(req.page_hashes, (req.num_tokens - 1) // ps)
         num_computed = len(hit_page_ids) * ps
         num_new = min(req.num_tokens - num_computed, budget.num_tokens)
-        num_new_pages = self._num_pages_for(num_computed + num_new) - len(hit_page_ids)
-        if num_new_pages + self.pool.num_evictable_among(hit_page_ids) > self.pool.num_free_pages:
+        lookahead = (self._draft_lookahead(req, req.num_tokens)
+                     if num_computed + num_new == req.num_tokens else 0)
+        num_hit_evictable = self.pool.num_evictable_among(hit_page_ids)
+        num_new_pages = self._num_pages_for(num_computed + num_new + lookahead) - len(hit_page_ids)
+        if lookahead and num_new_pages + num_hit_evictable > self.pool.num_free_pages:
+            lookahead = 0  # drafting pages never stop an admission
+            num_new_pages = self._num_pages_for(num_computed + num_new) - len(hit_page_ids)
+        if num_new_pages + num_hit_evictable > self.pool.num_free_pages:
             return None
         self.pool.acquire(hit_page_ids)  # before allocate, so these are not evicted by it
         req.page_ids = hit_page_ids + self.pool.allocate(num_new_pages)
@@ -209,15 +259,23 @@ class Scheduler:
         req.admission_index = self._num_admissions
         self._num_admissions += 1
         self.running.append(req)
-        return self._take(req, num_new, budget)
+        return self._take(req, num_new, budget, [], lookahead)
 
-    def _take(self, req: Request, num_new: int, budget: _Budget) -> ScheduledRequest:
+    def _take(self, req: Request, num_new: int, budget: _Budget, spec_ids: list[int] = (),
+              lookahead: int = 0) -> ScheduledRequest:
         assert num_new > 0, f"{req.request_id=} has nothing to compute"
         start = req.num_computed_tokens
+        samples = start + num_new == req.num_tokens
+        num_new += len(spec_ids)
         req.num_computed_tokens += num_new
+        req.num_lookahead_tokens = lookahead
+        if spec_ids or req.spec_token_ids:
+            req.spec_token_ids = list(spec_ids)  # what this step verifies; unscheduled ones drop
         budget.num_tokens -= num_new
         budget.num_seqs -= 1
-        return ScheduledRequest(req, start, num_new, samples=req.num_computed_tokens == req.num_tokens)
+        return ScheduledRequest(req, start, num_new, samples=samples,
+                                spec_token_ids=req.spec_token_ids if spec_ids else [],
+                                num_lookahead=lookahead)
 
     def _make_output(self, scheduled, preempted) -> SchedulerOutput:
         num_batched_tokens = sum(s.num_new_tokens for s in scheduled)
@@ -235,35 +293,88 @@ class Scheduler:
 
     # -- update -----------------------------------------------------------------------------
     def update(self, sched_out: SchedulerOutput, runner_output: Any) -> list[Request]:
-        """Appends each sampled token (rows in `sched_out.scheduled` order; a mid-prompt chunk's
-        row is ignored), applies token-level stops, frees finished requests' pages and caches
-        newly full pages. `runner_output`: an int array i32[>= num_seqs] or an object with
-        `.token_ids` (and optionally `.logprobs` f32[R], `.top_token_ids`/`.top_logprobs` [R, K]).
-        Returns the requests that got a token, in row order (finished ones included)."""
+        """Appends each sampled token (rows in `sched_out.scheduled` order, `item.num_rows` per
+        item; a mid-prompt chunk's row is ignored), applies token-level stops, frees finished
+        requests' pages and caches newly full pages. A verifying item's rows hold its emitted
+        tokens (accepted drafts, then the target's own token) and then -1: the rejected drafts are
+        rolled back (`num_computed_tokens` lowered, pages past it freed). `runner_output`: an int
+        array i32[>= num_rows] or an object with `.token_ids` (and optionally `.logprobs` f32[R],
+        `.top_token_ids`/`.top_logprobs` [R, K]). Returns the requests that got a token, in row
+        order (finished ones included)."""
         rows = _RunnerRows(runner_output)
-        token_ids = rows.token_ids(len(sched_out.scheduled))
+        items = sched_out.scheduled
+        token_ids = rows.token_ids(sum(it.num_rows for it in items))
         now = self.clock()
         changed = []
-        for row, item in enumerate(sched_out.scheduled):
-            req = item.request
+        row = 0
+        for item in items:
+            req, first_row = item.request, row
+            row += item.num_rows
             if req.status is not RequestStatus.RUNNING or (
                     req.num_computed_tokens != item.num_computed_tokens + item.num_new_tokens):
                 continue  # finished or aborted after schedule()
+            if not item.samples:
+                if req.num_computed_tokens // self.page_size > req.num_registered_pages:
+                    self._cache_full_pages(req)
+                continue
+            if item.spec_token_ids:
+                emitted = self._verified(item, token_ids[first_row:row])
+            else:
+                emitted = token_ids[first_row:first_row + 1]
+                if self.spec_policy is not None and req.spec_enabled:
+                    self.spec_policy.observe(req, 0, 0)  # a step without drafts
+            status = self._append(req, emitted, rows, first_row, now)
+            if req.num_computed_tokens >= req.num_tokens:  # rolled back: K/V past it is dead
+                req.num_computed_tokens = req.num_tokens - 1
             if req.num_computed_tokens // self.page_size > req.num_registered_pages:
                 self._cache_full_pages(req)
-            if not item.samples:
-                continue
-            token_id = token_ids[row]
-            req.append_output_token(token_id, now)
-            if req.sampling_params.logprobs is not None and rows.has_logprobs:
-                req.output_logprobs.append(rows.logprobs(row, token_id, req.sampling_params.logprobs))
-            status = self._check_stop(req, token_id)
             if status is not None:
                 self._finish(req, status)
+            elif len(req.page_ids) > self._num_pages_for(req.num_computed_tokens) or \
+                    req.num_lookahead_tokens:
+                self._trim_pages(req)
             changed.append(req)
         if sched_out.scheduled:
             self.num_steps += 1
         return changed
+
+    def _verified(self, item: ScheduledRequest, row_tokens: list[int]) -> list[int]:
+        """A verifying item's emitted tokens; counts drafts and acceptances, informs the policy."""
+        req, num_draft = item.request, len(item.spec_token_ids)
+        num_emitted = row_tokens.index(-1) if -1 in row_tokens else len(row_tokens)
+        num_accepted = max(num_emitted - 1, 0)
+        req.num_draft_tokens += num_draft
+        req.num_accepted_tokens += num_accepted
+        req.num_spec_steps += 1
+        self.num_draft_tokens_total += num_draft
+        self.num_accepted_tokens_total += num_accepted
+        self.num_spec_steps_total += 1
+        if self.spec_policy is not None:
+            self.spec_policy.observe(req, num_draft, num_accepted)
+        req.spec_token_ids = []
+        return row_tokens[:num_emitted]
+
+    def _append(self, req: Request, emitted: list[int], rows: "_RunnerRows", first_row: int,
+                now: float) -> RequestStatus | None:
+        """Appends tokens up to the first stop; returns the stop status or None."""
+        num_logprobs = req.sampling_params.logprobs
+        for i, token_id in enumerate(emitted):
+            req.append_output_token(token_id, now)
+            if num_logprobs is not None and rows.has_logprobs:
+                req.output_logprobs.append(rows.logprobs(first_row + i, token_id, num_logprobs))
+            status = self._check_stop(req, token_id)
+            if status is not None:
+                return status
+        return None
+
+    def _trim_pages(self, req: Request) -> None:
+        """Frees the pages past `num_computed_tokens` (rejected drafts, draft lookahead)."""
+        keep = self._num_pages_for(req.num_computed_tokens)
+        req.num_lookahead_tokens = 0
+        if len(req.page_ids) > keep:
+            self.pool.free(req.page_ids[keep:])
+            del req.page_ids[keep:]
+            self.page_table.truncate(req.page_table_row, keep)
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         sp = req.sampling_params
@@ -301,6 +412,7 @@ class Scheduler:
         self.running.remove(req)
         self._release_pages(req)
         req.num_computed_tokens = 0
+        req.num_lookahead_tokens = 0
         req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -362,8 +474,9 @@ class Scheduler:
             assert self.pool.ref_count(page_id) == refs[page_id], f"{page_id=} ref count is off"
         for r in self.running:
             assert r.status is RequestStatus.RUNNING
-            assert 0 < r.num_computed_tokens <= r.num_tokens < self.max_model_len + 1
-            assert len(r.page_ids) == self._num_pages_for(r.num_computed_tokens)
+            assert 0 < r.num_computed_tokens <= r.num_tokens + len(r.spec_token_ids)
+            assert r.num_tokens <= self.max_model_len and r.num_computed_tokens <= self.max_model_len
+            assert len(r.page_ids) == self._num_pages_for(r.num_computed_tokens + r.num_lookahead_tokens)
             assert len(set(r.page_ids)) == len(r.page_ids)
             assert self.page_table.row(r.page_table_row) == r.page_ids, f"{r.request_id=} page table row"
         assert self.page_table.num_free_rows == self.config.max_num_seqs - len(self.running)

@@ -9,6 +9,14 @@ lists them for warm-up. Padding needs no masks:
 R (sampled rows) == S: row s samples from the last new token of sequence s (a mid-prompt chunk's
 row is computed and ignored by `Scheduler.update`).
 
+Speculative decoding: a verifying sequence (1 + k new tokens: its last token, then k drafts) has
+k + 1 rows, one per new token, so R = the total number of rows, padded to a power of two (at least
+S, at most T). Per-row sampling arrays are those of the row's request *as if the drafts before it
+were accepted* (its position, its output history for penalties, its min_tokens ban). The optional
+spec_* arrays (Sv = a power of two >= the verifying sequences, K = num_speculative_tokens) tell
+the step which rows to verify against which drafts; the draft_* arrays (a draft-model engine,
+every step) say how many drafts each sequence's draft model proposes for the next step.
+
 One host->device copy: `StepInput.pack()` gives one i32 buffer and a static layout;
 `unpack(buf, layout, bitcast)` slices it back (numpy or jnp; f32/u32 fields are bitcast).
 Layout: the arrays of `_ARRAY_FIELDS` in that order (optional ones only when present), each
@@ -84,9 +92,10 @@ class StepBuckets:
 
     @classmethod
     def coarse(cls, engine_config: EngineConfig, max_model_len: int, *,
-               min_num_tokens: int = MIN_NUM_TOKENS) -> "StepBuckets":
-        """Few executables: T powers of two, S coarse (see above), P one fixed width (the
-        attention's work follows the real context lengths, not P)."""
+               min_num_tokens: int = 1) -> "StepBuckets":
+        """Few executables: T powers of two from 1 (a single-stream decode step computes one token,
+        not eight), S coarse (see above), P one fixed width (the attention's work follows the real
+        context lengths, not P)."""
         ps = engine_config.page_size
         max_seqs = min(engine_config.max_num_seqs, engine_config.max_num_batched_tokens)
         small = min(min_num_tokens, next_power_of_2(max_seqs))
@@ -155,7 +164,7 @@ class StepInput:
     frequency_penalty: np.ndarray  # f32[R]
     repetition_penalty: np.ndarray  # f32[R]
     # host-side facts
-    num_rows: int = 0  # real rows (== real sequences); rows beyond are padding
+    num_rows: int = 0  # real rows (== real sequences without speculation); rows beyond are padding
     num_real_tokens: int = 0
     num_top_logprobs: int = 0  # the largest top-k logprobs any row asked for
     needs_logprobs: bool = False
@@ -165,6 +174,16 @@ class StepInput:
     output_token_ids: np.ndarray | None = None  # i32[R, Wo] -1 padded (all penalties)
     bias_token_ids: np.ndarray | None = None  # i32[R, B] -1 padded (values 0 there): add, never set
     bias_values: np.ndarray | None = None  # f32[R, B] logit_bias, and -inf on EOS/stop ids < min_tokens
+    # speculative verification (None unless some sequence verifies drafts)
+    spec_row_ids: np.ndarray | None = None  # i32[Sv, K+1] rows of each verified position; R = padding
+    spec_draft_ids: np.ndarray | None = None  # i32[Sv, K] drafts, -1 padded
+    spec_num_draft: np.ndarray | None = None  # i32[Sv] real drafts (0 for padding)
+    spec_seq_ids: np.ndarray | None = None  # i32[Sv] the sequence (S = padding)
+    spec_store_rows: np.ndarray | None = None  # i32[Sv] page-table row: where its draft q is kept
+    # draft model (present in every step of a draft-model engine)
+    draft_k: np.ndarray | None = None  # i32[S] drafts to propose after verification (0: none)
+    seq_rows: np.ndarray | None = None  # i32[S] first row of each sequence
+    seq_store_rows: np.ndarray | None = None  # i32[S] page-table row (max_num_seqs = padding)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -199,9 +218,13 @@ class StepInput:
 _DTYPE_NAMES = {"i": "int32", "f": "float32", "I": "uint32"}  # (dtype.name is slow)
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "sample_positions",
                     "presence_penalty", "frequency_penalty", "repetition_penalty")
+_SPEC_FIELDS = ("spec_row_ids", "spec_draft_ids", "spec_num_draft", "spec_seq_ids",
+                "spec_store_rows")
+_DRAFT_FIELDS = ("draft_k", "seq_rows", "seq_store_rows")
 _ARRAY_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_indices",
                  "num_seqs", "logits_indices") + _SAMPLING_FIELDS + (
-                    "prompt_token_ids", "output_token_ids", "bias_token_ids", "bias_values")
+                    "prompt_token_ids", "output_token_ids", "bias_token_ids", "bias_values"
+                ) + _SPEC_FIELDS + _DRAFT_FIELDS
 
 
 def unpack(buf: Any, layout: PackedLayout, bitcast: Callable[[Any, str], Any]) -> dict[str, Any]:
@@ -221,17 +244,50 @@ def make_step_input(sched_out: SchedulerOutput, engine_config: EngineConfig, max
     buckets = buckets or StepBuckets.from_config(engine_config, max_model_len)
     items = sched_out.scheduled
     pages_per_seq = max((len(it.request.page_ids) for it in items), default=1)  # P bucket >= this
-    si = empty_step_input(*buckets.pick(sched_out.num_batched_tokens, len(items), pages_per_seq),
-                          buckets.page_size)
+    shape = buckets.pick(sched_out.num_batched_tokens, len(items), pages_per_seq)
+    rows = _Rows(items)
+    num_rows = shape[1] if rows.num_rows == len(items) else max(shape[1], next_power_of_2(rows.num_rows))
+    si = empty_step_input(*shape, buckets.page_size, num_rows=num_rows)
     _fill_attention(si, sched_out, buckets.page_size)
-    _fill_sampling(si, sched_out)
-    _fill_optional(si, sched_out)
+    if rows.num_rows != len(items):
+        si.logits_indices[:rows.num_rows] = rows.logits_indices(si.cu_q_lens)
+        si.num_rows = rows.num_rows
+    si.sample_positions[:si.num_rows] = si.positions[si.logits_indices[:si.num_rows]] + 1
+    _fill_sampling(si, sched_out, rows)
+    _fill_optional(si, sched_out, rows)
+    if rows.num_rows != len(items):
+        _fill_spec(si, items, rows, engine_config.num_speculative_tokens)
+    if engine_config.speculative_method == "draft":
+        _fill_draft(si, items, rows, engine_config.max_num_seqs)
     return si
 
 
-def empty_step_input(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: int) -> StepInput:
-    """All padding: a valid step that only writes to the null page (also the warm-up input)."""
+class _Rows:
+    """Sampled rows of a step: `item.num_rows` per scheduled item, in order."""
+
+    def __init__(self, items):
+        self.per_item = np.fromiter((it.num_rows for it in items), np.int64, len(items))  # i64[n]
+        self.num_rows = int(self.per_item.sum())
+        self.starts = np.concatenate([[0], np.cumsum(self.per_item)])[:-1]  # i64[n] first row
+        if self.num_rows == len(items):
+            self.item = np.arange(len(items))  # i64[R] the item of each row
+            self.offset = np.zeros(len(items), np.int64)  # i64[R] drafts before the row
+        else:
+            self.item = np.repeat(np.arange(len(items)), self.per_item)
+            self.offset = np.arange(self.num_rows) - self.starts[self.item]
+
+    def logits_indices(self, cu_q_lens: np.ndarray) -> np.ndarray:
+        """i64[R]: a row's token is the offset-th of its item's last `num_rows` new tokens."""
+        ends = cu_q_lens[1:len(self.per_item) + 1].astype(np.int64)
+        return ends[self.item] - self.per_item[self.item] + self.offset
+
+
+def empty_step_input(num_tokens: int, num_seqs: int, pages_per_seq: int, page_size: int, *,
+                     num_rows: int | None = None) -> StepInput:
+    """All padding: a valid step that only writes to the null page (also the warm-up input).
+    `num_rows` (R): sampled rows, default S."""
     T, S, P = num_tokens, num_seqs, pages_per_seq
+    R = S if num_rows is None else num_rows
     i32, f32 = np.int32, np.float32
     return StepInput(
         input_ids=np.zeros(T, i32),
@@ -241,16 +297,16 @@ def empty_step_input(num_tokens: int, num_seqs: int, pages_per_seq: int, page_si
         kv_lens=np.zeros(S, i32),
         page_indices=np.zeros((S, P), i32),
         num_seqs=np.zeros(1, i32),
-        logits_indices=np.zeros(S, i32),
-        temperature=np.zeros(S, f32),
-        top_k=np.zeros(S, i32),
-        top_p=np.ones(S, f32),
-        min_p=np.zeros(S, f32),
-        seeds=np.zeros(S, np.uint32),
-        sample_positions=np.zeros(S, i32),
-        presence_penalty=np.zeros(S, f32),
-        frequency_penalty=np.zeros(S, f32),
-        repetition_penalty=np.ones(S, f32),
+        logits_indices=np.zeros(R, i32),
+        temperature=np.zeros(R, f32),
+        top_k=np.zeros(R, i32),
+        top_p=np.ones(R, f32),
+        min_p=np.zeros(R, f32),
+        seeds=np.zeros(R, np.uint32),
+        sample_positions=np.zeros(R, i32),
+        presence_penalty=np.zeros(R, f32),
+        frequency_penalty=np.zeros(R, f32),
+        repetition_penalty=np.ones(R, f32),
     )
 
 
@@ -259,7 +315,10 @@ def warmup_step_inputs(engine_config: EngineConfig, max_model_len: int, *,
     """One all-padding StepInput per shape bucket (compiling each touches only the null page)."""
     buckets = buckets or StepBuckets.from_config(engine_config, max_model_len)
     for shape in buckets.all_shapes():
-        yield empty_step_input(*shape, buckets.page_size)
+        si = empty_step_input(*shape, buckets.page_size)
+        if engine_config.speculative_method == "draft":
+            _fill_draft(si, [], _Rows([]), engine_config.max_num_seqs)
+        yield si
 
 
 def _fill_attention(si: StepInput, sched_out: SchedulerOutput, page_size: int) -> None:
@@ -277,6 +336,7 @@ def _fill_attention(si: StepInput, sched_out: SchedulerOutput, page_size: int) -
     page_table = si.page_indices[:n]  # i32[n, P]
     page_table[:, :width] = sched_out.page_table[table_rows, :width]
     si.input_ids[:t] = np.fromiter(itertools.chain.from_iterable(
+        it.token_ids if it.spec_token_ids else
         it.request.all_token_ids[it.num_computed_tokens:it.num_computed_tokens + it.num_new_tokens]
         for it in items), np.int32, t)
     si.positions[:t] = pos
@@ -289,33 +349,45 @@ def _fill_attention(si: StepInput, sched_out: SchedulerOutput, page_size: int) -
     si.num_rows, si.num_real_tokens = n, t
 
 
-def _fill_sampling(si: StepInput, sched_out: SchedulerOutput) -> None:
+def _fill_sampling(si: StepInput, sched_out: SchedulerOutput, rows: _Rows) -> None:
     items = sched_out.scheduled
     n = len(items)
     if n == 0:
         return
     sps = [it.request.sampling_params for it in items]
-    si.temperature[:n] = [sp.temperature for sp in sps]
-    si.top_k[:n] = [max(sp.top_k, 0) for sp in sps]
-    si.top_p[:n] = [sp.top_p for sp in sps]
-    si.min_p[:n] = [sp.min_p for sp in sps]
-    si.seeds[:n] = [it.request.seed & 0xFFFFFFFF for it in items]
-    si.sample_positions[:n] = si.kv_lens[:n]
-    si.presence_penalty[:n] = [sp.presence_penalty for sp in sps]
-    si.frequency_penalty[:n] = [sp.frequency_penalty for sp in sps]
-    si.repetition_penalty[:n] = [sp.repetition_penalty for sp in sps]
+    per_item = {
+        "temperature": [sp.temperature for sp in sps],
+        "top_k": [max(sp.top_k, 0) for sp in sps],
+        "top_p": [sp.top_p for sp in sps],
+        "min_p": [sp.min_p for sp in sps],
+        "seeds": [it.request.seed & 0xFFFFFFFF for it in items],
+        "presence_penalty": [sp.presence_penalty for sp in sps],
+        "frequency_penalty": [sp.frequency_penalty for sp in sps],
+        "repetition_penalty": [sp.repetition_penalty for sp in sps],
+    }
+    r = rows.num_rows
+    for name, values in per_item.items():
+        a = getattr(si, name)
+        a[:n] = values
+        if r != n:
+            a[:r] = a[:n][rows.item]
     top_logprobs = [sp.logprobs for sp in sps if sp.logprobs is not None]
     si.needs_logprobs = bool(top_logprobs)
     si.num_top_logprobs = max(top_logprobs, default=0)
-    si.all_greedy = bool(np.all(si.temperature[:n] == 0.0))
+    si.all_greedy = bool(np.all(si.temperature[:r] == 0.0))
 
 
-def _fill_optional(si: StepInput, sched_out: SchedulerOutput) -> None:
+def _fill_optional(si: StepInput, sched_out: SchedulerOutput, rows: _Rows) -> None:
     items, num_rows = sched_out.scheduled, si.seeds.shape[0]
+    # a row `offset` drafts into a verification sees those drafts as already generated
+    row_items = [(items[i], int(j)) for i, j in zip(rows.item, rows.offset)]
     if any(it.request.sampling_params.has_penalties for it in items):
-        si.prompt_token_ids = _pad_rows([it.request.prompt_token_ids for it in items], num_rows)
-        si.output_token_ids = _pad_rows([it.request.output_token_ids for it in items], num_rows)
-    biases = [_row_bias(it, sched_out.eos_token_ids) for it in items]
+        si.prompt_token_ids = _pad_rows([it.request.prompt_token_ids for it, _ in row_items],
+                                        num_rows)
+        si.output_token_ids = _pad_rows(
+            [it.request.output_token_ids + it.spec_token_ids[:j] if j else
+             it.request.output_token_ids for it, j in row_items], num_rows)
+    biases = [_row_bias(it, sched_out.eos_token_ids, j) for it, j in row_items]
     if any(biases):
         width = next_power_of_2(max(MIN_HISTORY_WIDTH, max(len(b) for b in biases)))
         si.bias_token_ids = np.full((num_rows, width), -1, np.int32)
@@ -325,14 +397,45 @@ def _fill_optional(si: StepInput, sched_out: SchedulerOutput) -> None:
             si.bias_values[r, :len(b)] = list(b.values())
 
 
-def _row_bias(it, eos_token_ids: frozenset[int]) -> dict[int, float]:
+def _fill_spec(si: StepInput, items, rows: _Rows, k: int) -> None:
+    verifying = [i for i, it in enumerate(items) if it.spec_token_ids]
+    num_spec = next_power_of_2(len(verifying))
+    num_rows, num_seqs = si.seeds.shape[0], si.kv_lens.shape[0]
+    si.spec_row_ids = np.full((num_spec, k + 1), num_rows, np.int32)
+    si.spec_draft_ids = np.full((num_spec, k), -1, np.int32)
+    si.spec_num_draft = np.zeros(num_spec, np.int32)
+    si.spec_seq_ids = np.full(num_spec, num_seqs, np.int32)
+    si.spec_store_rows = np.zeros(num_spec, np.int32)
+    for v, i in enumerate(verifying):
+        drafts = items[i].spec_token_ids
+        if len(drafts) > k:
+            raise ValueError(f"{len(drafts)=} drafts exceed num_speculative_tokens={k}")
+        si.spec_row_ids[v, :len(drafts) + 1] = rows.starts[i] + np.arange(len(drafts) + 1)
+        si.spec_draft_ids[v, :len(drafts)] = drafts
+        si.spec_num_draft[v] = len(drafts)
+        si.spec_seq_ids[v] = i
+        si.spec_store_rows[v] = items[i].request.page_table_row
+
+
+def _fill_draft(si: StepInput, items, rows: _Rows, max_num_seqs: int) -> None:
+    num_seqs, n = si.kv_lens.shape[0], len(items)
+    si.draft_k = np.zeros(num_seqs, np.int32)
+    si.draft_k[:n] = [it.num_lookahead for it in items]
+    si.seq_rows = np.zeros(num_seqs, np.int32)
+    si.seq_rows[:n] = rows.starts
+    si.seq_store_rows = np.full(num_seqs, max_num_seqs, np.int32)
+    si.seq_store_rows[:n] = [it.request.page_table_row for it in items]
+
+
+def _row_bias(it, eos_token_ids: frozenset[int], num_drafts_before: int = 0) -> dict[int, float]:
     """logit_bias, plus -inf on EOS / stop_token_ids while the row is below min_tokens."""
     req = it.request
     sp = req.sampling_params
-    if not sp.logit_bias and req.num_output_tokens >= sp.min_tokens:
+    num_output = req.num_output_tokens + num_drafts_before
+    if not sp.logit_bias and num_output >= sp.min_tokens:
         return {}
     bias = dict(sp.logit_bias or {})
-    if req.num_output_tokens < sp.min_tokens:
+    if num_output < sp.min_tokens:
         banned = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_token_ids))
         bias.update({t: float("-inf") for t in banned})
     return bias

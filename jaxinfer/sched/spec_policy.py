@@ -1,0 +1,95 @@
+"""SpecPolicy: how many drafts each request may have verified in a step. Host-only (no JAX).
+
+Two rules; the smaller k wins, and the scheduler then caps it by the token budget, the context
+limit and max_tokens:
+
+1. Per request, from its measured acceptance. Model each draft as accepted with probability
+   `alpha`, independently, so the j-th draft is used with probability alpha**j: it is worth
+   verifying while alpha**j >= `spec_min_accept_prob` (its expected gain beats a verification
+   slot's cost). So k = the largest j <= K with alpha**j >= spec_min_accept_prob, e.g. at 0.3:
+   alpha 0.75 -> 4, 0.6 -> 2, 0.5 -> 1, below 0.3 -> 0. `alpha` is the request's own acceptance:
+   a verification of k drafts that accepted a is a accepted trials plus (if a < k) one rejected
+   trial; both counts decay by DECAY per verification, so alpha follows the text as it moves
+   between copying and free prose. Prior: PRIOR_ACCEPTED / PRIOR_TRIALS (0.75, so a new request
+   starts at k = 4). A request at k = 0 probes one draft every PROBE_INTERVAL decode steps, so
+   one that starts copying later gets speculation back.
+
+2. Per batch: verification is nearly free while a step is latency-bound (small batches) and costs
+   full price once it is compute-bound. A step verifies at most `spec_max_batched_tokens` decode
+   plus draft tokens, shared evenly among the n requests running or waiting:
+   k <= spec_max_batched_tokens // n - 1. At 64 (the default): n <= 12 -> k = 4, 16 -> 3,
+   21 -> 2, 32 -> 1, n > 32 -> speculation off. (Measure the knee on your device and set it:
+   an H200 stays latency-bound to a few hundred tokens per step for a small model.)
+
+Requests opt in or out with `SamplingParams.spec_decode` (None: the engine's default, which is on
+when a speculative method is configured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.request import Request
+
+DECAY = 0.8  # weight of the past per verification step (~5 steps of memory)
+PRIOR_ACCEPTED, PRIOR_TRIALS = 3.0, 4.0  # alpha = 0.75 before any verification; decays away
+PROBE_INTERVAL = 8  # decode steps between one-draft probes of a request at k = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecPolicy:
+    num_speculative_tokens: int  # K: the most drafts per request per step
+    max_batched_tokens: int = 64  # decode + draft tokens per step (rule 2)
+    min_accept_prob: float = 0.3  # rule 1's threshold on alpha**j
+    draft_lookahead: bool = False  # a draft model writes its drafts' K/V in the step: hold pages
+
+    @classmethod
+    def from_config(cls, ec: EngineConfig) -> "SpecPolicy | None":
+        if ec.speculative_method is None:
+            return None
+        return cls(num_speculative_tokens=ec.num_speculative_tokens,
+                   max_batched_tokens=ec.spec_max_batched_tokens,
+                   min_accept_prob=ec.spec_min_accept_prob,
+                   draft_lookahead=ec.speculative_method == "draft")
+
+    # -- rule 1 -----------------------------------------------------------------------------
+    @staticmethod
+    def acceptance(req: Request) -> float:
+        """The request's estimated per-draft acceptance probability alpha."""
+        prior = DECAY ** req.num_spec_steps
+        return ((req.spec_accept_num + PRIOR_ACCEPTED * prior)
+                / (req.spec_accept_den + PRIOR_TRIALS * prior))
+
+    def num_drafts_for_acceptance(self, alpha: float) -> int:
+        big_k, theta = self.num_speculative_tokens, self.min_accept_prob
+        if alpha >= 1.0 or theta <= 0.0:
+            return big_k
+        if alpha <= 0.0 or alpha < theta:
+            return 0
+        return min(big_k, int(math.floor(math.log(theta) / math.log(alpha) + 1e-9)))
+
+    def observe(self, req: Request, num_draft: int, num_accepted: int) -> None:
+        """After a decode step of a speculating request: `num_draft` verified, `num_accepted` kept."""
+        if num_draft == 0:
+            req.spec_idle_steps += 1
+            return
+        trials = num_accepted + (1 if num_accepted < num_draft else 0)
+        req.spec_accept_num = DECAY * req.spec_accept_num + num_accepted
+        req.spec_accept_den = DECAY * req.spec_accept_den + trials
+        req.spec_idle_steps = 0
+
+    # -- both rules -------------------------------------------------------------------------
+    def max_drafts_for_batch(self, num_requests: int) -> int:
+        return max(0, self.max_batched_tokens // max(num_requests, 1) - 1)
+
+    def num_drafts(self, req: Request, num_requests: int) -> int:
+        """Drafts to propose for `req` now, with `num_requests` running or waiting."""
+        if not req.spec_enabled:
+            return 0
+        k_batch = min(self.num_speculative_tokens, self.max_drafts_for_batch(num_requests))
+        k = min(k_batch, self.num_drafts_for_acceptance(self.acceptance(req)))
+        if k == 0 and k_batch > 0 and req.spec_idle_steps >= PROBE_INTERVAL:
+            return 1
+        return k
