@@ -7,7 +7,7 @@ Random weights of the model's shapes (load_format="dummy"), the runtime's jit pa
 once, a plain jitted function that merges inside, the cache donated). A step whose time grows with
 the pool size copies the cache; an in-place step costs the same at both sizes. Prints a table of
 compile seconds, median step milliseconds (decode: one token per sequence, `--context` tokens of
-context each), and the number of ops in the optimized HLO that produce a whole cache-shaped array
+context each; compile = lower + compile of the executable), and the number of ops in the optimized HLO that produce a whole cache-shaped array
 other than the in-place dynamic-update-slice / scatter of the write (copies would show up there).
 On a busy shared machine the timings are noisy: rerun, and trust the HLO count.
 """
@@ -56,45 +56,53 @@ def main():
     ps = args.page_size
     pages_per_seq = -(-(args.context + args.iters + 2) // ps)
     print(f"model={args.model} backend={args.backend} dtype={args.dtype} context={args.context} "
-          f"platform={jax.default_backend()}")
+          f"platform={jax.default_backend()} (pool sizes timed alternately, step by step)")
     print(f"{'batch':>6} {'pages':>6} {'cache MB':>9} {'compile s':>10} {'step ms':>8} "
           f"{'cache-sized ops':>16}")
     for batch in args.batch:
+        runs = {}
         for num_pages in args.pages:
             if batch * pages_per_seq + 1 > num_pages:
                 print(f"{batch:>6} {num_pages:>6}  (pool too small)")
                 continue
-            cache = allocate_kv_cache(config, num_pages, ps, jnp.dtype(args.dtype))
-            cache_mb = 2 * cache.k.nbytes / 2**20
             rng = np.random.default_rng(0)
             # sequences hold scattered pages spread over the whole pool
             page_ids = rng.choice(np.arange(1, num_pages), batch * pages_per_seq, replace=False)
-            page_indices = page_ids.reshape(batch, pages_per_seq).astype(np.int32)
-            times, compile_s, whole_cache_ops = [], 0.0, "?"
-            for it in range(args.iters + 1):
-                pos = args.context + it
-                slots = page_indices[:, pos // ps] * ps + pos % ps
-                md = AttentionMetadata(
-                    slot_mapping=jnp.asarray(slots, jnp.int32),
-                    cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32),
-                    kv_lens=jnp.full((batch,), pos + 1, jnp.int32),
-                    page_indices=jnp.asarray(page_indices),
-                    num_seqs=jnp.asarray([batch], jnp.int32))
-                ids = jnp.asarray(rng.integers(0, config.vocab_size, batch), jnp.int32)
-                positions = jnp.full((batch,), pos, jnp.int32)
-                t0 = time.perf_counter()
-                tokens, cache = step(state, cache, ids, positions, md, jnp.arange(batch))
-                tokens.block_until_ready()
-                dt = time.perf_counter() - t0
+            runs[num_pages] = dict(
+                cache=allocate_kv_cache(config, num_pages, ps, jnp.dtype(args.dtype)),
+                page_indices=page_ids.reshape(batch, pages_per_seq).astype(np.int32), times=[])
+
+        def inputs(run, it):
+            pos = args.context + it
+            page_indices = run["page_indices"]
+            slots = page_indices[:, pos // ps] * ps + pos % ps
+            md = AttentionMetadata(
+                slot_mapping=jnp.asarray(slots, jnp.int32),
+                cu_q_lens=jnp.arange(batch + 1, dtype=jnp.int32),
+                kv_lens=jnp.full((batch,), pos + 1, jnp.int32),
+                page_indices=jnp.asarray(page_indices),
+                num_seqs=jnp.asarray([batch], jnp.int32))
+            ids = jnp.asarray(np.arange(batch) % config.vocab_size, jnp.int32)
+            return ids, jnp.full((batch,), pos, jnp.int32), md, jnp.arange(batch)
+
+        for it in range(args.iters + 1):
+            for num_pages, run in runs.items():
+                ids, positions, md, rows = inputs(run, it)
                 if it == 0:
-                    compile_s = dt
-                    hlo = step.lower(state, cache, ids, positions, md, jnp.arange(batch)) \
-                        .compile().as_text()
-                    whole_cache_ops = count_whole_cache_ops(hlo, cache.k.shape)
-                else:
-                    times.append(dt)
-            print(f"{batch:>6} {num_pages:>6} {cache_mb:>9.0f} {compile_s:>10.1f} "
-                  f"{1e3 * float(np.median(times)):>8.1f} {whole_cache_ops:>16}", flush=True)
+                    t0 = time.perf_counter()
+                    hlo = step.lower(state, run["cache"], ids, positions, md, rows).compile().as_text()
+                    run["compile_s"] = time.perf_counter() - t0
+                    run["whole_cache_ops"] = count_whole_cache_ops(hlo, run["cache"].k.shape)
+                t0 = time.perf_counter()
+                tokens, run["cache"] = step(state, run["cache"], ids, positions, md, rows)
+                tokens.block_until_ready()
+                run["times"].append(time.perf_counter() - t0)
+        for num_pages, run in runs.items():
+            cache_mb = 2 * run["cache"].k.nbytes / 2**20
+            print(f"{batch:>6} {num_pages:>6} {cache_mb:>9.0f} {run['compile_s']:>10.1f} "
+                  f"{1e3 * float(np.median(run['times'][1:])):>8.1f} {run['whole_cache_ops']:>16}",
+                  flush=True)
+        del runs
 
 
 def count_whole_cache_ops(hlo: str, shape) -> int:
