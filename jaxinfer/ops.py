@@ -34,6 +34,8 @@ from jaxinfer.runtime.kv_cache import AttentionMetadata, KVCache
 BACKENDS = ("auto", "xla", "pallas")
 _ELEMENT_BUDGET = 1 << 25  # max elements of one gathered K (or V) chunk and of one score block
 _MAX_Q_TILE = 64
+_MAX_CHUNK_TOKENS = 512  # KV positions per online-softmax step: the loop then only visits the
+# chunks the batch's real contexts reach, so a wide (fixed) page table costs nothing extra
 
 
 def write_kv(cache: KVCache, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:
@@ -92,7 +94,7 @@ def kv_chunk_pages(num_tiles: int, q_tile: int, num_heads: int, num_kv_heads: in
     """Pages gathered per online-softmax step (static), keeping each block under the budget."""
     per_token = num_tiles * max(num_kv_heads * head_dim, num_heads * q_tile)
     pages = _pow2_floor(max(_ELEMENT_BUDGET // (per_token * page_size), 1))
-    return max(1, min(pages, pages_per_seq))
+    return max(1, min(pages, pages_per_seq, max(_MAX_CHUNK_TOKENS // page_size, 1)))
 
 
 def ragged_paged_attention_xla(q, k_cache, v_cache, layer, md: AttentionMetadata, *, sm_scale,
