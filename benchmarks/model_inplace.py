@@ -1,15 +1,16 @@
 """Is the KV cache updated in place? Time the model's paged step at two pool sizes.
 
     JAX_PLATFORMS=cpu python benchmarks/model_inplace.py [--model smollm2-135m] [--batch 1 32]
-        [--pages 512 4096] [--context 256] [--backend xla]
+        [--pages 1024 8192] [--context 256] [--backend xla]
 
 Random weights of the model's shapes (load_format="dummy"), the runtime's jit pattern (nnx.split
 once, a plain jitted function that merges inside, the cache donated). A step whose time grows with
 the pool size copies the cache; an in-place step costs the same at both sizes. Prints a table of
-compile seconds, median step milliseconds (decode: one token per sequence, `--context` tokens of
-context each; compile = lower + compile of the executable), and the number of ops in the optimized HLO that produce a whole cache-shaped array
-other than the in-place dynamic-update-slice / scatter of the write (copies would show up there).
-On a busy shared machine the timings are noisy: rerun, and trust the HLO count.
+compile seconds (lower + compile), median step milliseconds (decode: one token per sequence,
+`--context` tokens of context each) and the number of ops in the optimized HLO that produce a
+whole cache-shaped array other than the in-place write (dynamic-update-slice / scatter): a copy
+would show up there. The pool sizes are timed alternately, step by step, so load on a shared
+machine hits both alike.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--pages", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--pages", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--dtype", default="float32")
