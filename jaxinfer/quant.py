@@ -9,17 +9,22 @@ layers under `lax.scan`):
 - bits=8: `values` i8[..., K, N]; w = values * scale. Per channel when group_size == K (the
   scale is applied after the dot), group-wise otherwise (GGUF Q8_0 is group size 32).
 - bits=4: `values` u8[..., Kh, N] with Kh = ceil(K / 2): the low nibble of row i holds row i and
-  the high nibble holds row Kh + i (the two halves of K). Unpacking is two elementwise ops and the
-  product is two half-size dots, `x[:, :Kh] @ lo + x[:, Kh:] @ hi`, with no concatenation (a
-  concatenate inside the dequantising fusion was 5-10x slower on XLA CPU). Nibbles are unsigned
-  q in 0..15; symmetric: w = (q - 8) * scale (GGUF Q4_0), asymmetric: w = q * scale + min (Q4_1).
+  the high nibble holds row Kh + i (the two halves of K), so unpacking is a shift by an iota over
+  [2, Kh, N] and a free reshape to [K, N]: one elementwise fusion, no concatenate (XLA CPU emits a
+  concatenate inside a fusion element by element, 5-10x slower; and the Pallas kernel reads the
+  two halves as two x column ranges). Nibbles are unsigned q in 0..15; symmetric:
+  w = (q - 8) * scale (GGUF Q4_0), asymmetric: w = q * scale + min (GGUF Q4_1).
 - `scales` (and `mins`) f16/f32[..., G, N], G = ceil(K / group_size); the last group may be
   partial (SmolLM2's K=576 is 4.5 groups of 128).
 
-Matmul on XLA: the weight is dequantised inside the jitted function and the dot reads the result.
-On XLA GPU the convert/scale fuse into the GEMM; XLA CPU (jax 0.10) runs it as one loop fusion
-(dequantise the slice the layer uses) writing a per-call f32 temp of one matrix, then the dot: the
-float weight is never resident, only one matrix's temp at a time (see benchmarks/quant.py).
+Matmul on XLA (`quantized_matmul`): dequantise inside the jitted function, then one dot. XLA
+CPU (jax 0.10.2) compiles that to one loop fusion (u8/i8 + f16 scales -> f32[K, N]) and the dot:
+a per-call temp of one matrix (3.5 MB for 576x1536), never a resident float copy of the model.
+Measured on the 2-core CPU (benchmarks/quant.py --matmul): faster than f32 once the weights do
+not sit in cache (30 stacked layers, batch 1: int8 and int4 ~2-3x faster than f32), slower for
+one cache-resident matrix; a per-group batched dot (scales after the dot) was slower at batch 32
+and no faster at batch 1, and jnp.int4 storage dequantised the same way was 2-4x slower. XLA GPU
+fuses such converts into its GEMM fusions; not measured here (no GPU in this session).
 """
 
 from __future__ import annotations
@@ -134,6 +139,19 @@ def pack_int4(q: jax.Array) -> jax.Array:
     return lo | (hi << 4)
 
 
+def _unpacked_int4(values: jax.Array, k: int) -> jax.Array:
+    """u8[..., Kh, N] -> nibbles u8[..., K, N]. For even K as one elementwise fusion (a shift by
+    an iota over the two halves, then a free reshape): XLA CPU emits a concatenate inside a
+    fusion element by element, 5-10x slower, so it is used only for odd K."""
+    kh, n = values.shape[-2:]
+    if k % 2:
+        lo, hi = unpack_int4(values, k)
+        return jnp.concatenate([lo, hi], axis=-2)
+    half = jax.lax.broadcasted_iota(jnp.uint8, (2, kh, n), 0)
+    q = (values[..., None, :, :] >> (half * 4)) & 15  # u8[..., 2, Kh, N]
+    return q.reshape(*values.shape[:-2], k, n)
+
+
 def unpack_int4(values: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """u8[..., Kh, N] -> (lo u8[..., Kh, N] = rows 0..Kh-1, hi u8[..., K - Kh, N] = rows Kh..K-1)."""
     kh = values.shape[-2]
@@ -207,12 +225,8 @@ def dequantize(qw: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
 @functools.partial(jax.jit, static_argnums=(1,))
 def _dequantize(qw: QuantizedWeight, dtype) -> jax.Array:
     k, _ = qw.shape
-    if qw.bits == 8:
-        return _dequantize_rows(qw, qw.values, 0, k, dtype)
-    kh = qw.values.shape[-2]
-    lo, hi = unpack_int4(qw.values, k)
-    return jnp.concatenate(
-        [_dequantize_rows(qw, lo, 0, kh, dtype), _dequantize_rows(qw, hi, kh, k, dtype)], axis=-2)
+    q = qw.values if qw.bits == 8 else _unpacked_int4(qw.values, k)
+    return _dequantize_rows(qw, q, 0, k, dtype)
 
 
 def quantized_matmul(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
@@ -229,12 +243,7 @@ def quantized_matmul(x: jax.Array, qw: QuantizedWeight) -> jax.Array:
         return (x @ qw.values.astype(dtype)) * qw.scales[0].astype(dtype)
     if qw.bits == 8:
         return x @ _dequantize_rows(qw, qw.values, 0, k, dtype)
-    kh = qw.values.shape[-2]
-    lo, hi = unpack_int4(qw.values, k)
-    y = x[..., :kh] @ _dequantize_rows(qw, lo, 0, kh, dtype)
-    if k > kh:
-        y = y + x[..., kh:] @ _dequantize_rows(qw, hi, kh, k, dtype)
-    return y
+    return x @ _dequantize_rows(qw, _unpacked_int4(qw.values, k), 0, k, dtype)
 
 
 def quantized_embedding(qw: QuantizedWeight, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
