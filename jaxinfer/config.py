@@ -271,7 +271,9 @@ class EngineConfig:
 
     page_size: int = 16
     num_pages: int | None = None  # None: derived from kv_memory_fraction
-    kv_memory_fraction: float = 0.5  # of free device memory (CPU: free RAM) after weights
+    # Of the free device memory after the weights are loaded. None: 0.85 on an accelerator; on the
+    # CPU 0.15 of available RAM (the KV pool is allocated up front; the host needs the rest).
+    kv_memory_fraction: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -300,7 +302,7 @@ class EngineConfig:
             raise ValueError(f"page_size={self.page_size} must be a positive power of two")
         if self.num_pages is not None and self.num_pages < 2:
             raise ValueError(f"num_pages={self.num_pages} must be at least 2 (page 0 is reserved)")
-        if not 0.0 < self.kv_memory_fraction <= 1.0:
+        if self.kv_memory_fraction is not None and not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction={self.kv_memory_fraction} must be in (0, 1]")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be positive")

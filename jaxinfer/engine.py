@@ -7,6 +7,8 @@ import logging
 import time
 from typing import Sequence
 
+import jax
+
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine_outputs import OutputProcessor
 from jaxinfer.models.loader import load_model, model_source
@@ -120,7 +122,10 @@ class LLMEngine:
         free = device_memory_bytes_free()
         if free is None:
             return wanted
-        budget = int(free * ec.kv_memory_fraction)
+        fraction = ec.kv_memory_fraction
+        if fraction is None:
+            fraction = 0.15 if jax.default_backend() == "cpu" else 0.85
+        budget = int(free * fraction)
         by_memory = max(2, budget // self._bytes_per_page())
         return int(min(wanted, by_memory))
 
