@@ -6,11 +6,12 @@ Pallas kernel where the platform has one and falls back to the plain-jnp XLA pat
 The XLA path ("query tiles x KV chunks", flash-attention written in jnp):
 
 * The flat ragged batch is cut into query tiles of `q_tile` rows that never cross a sequence
-  boundary (a sequence with q_len new tokens gets ceil(q_len / q_tile) tiles). The tile size is
-  picked at trace time from T and S: 1 when T <= 2 S (decode, mixed decode + small prefill), so each
-  token is its own tile and nothing is wasted; up to 64 for big prefill chunks, so the KV pages of a
-  long prompt are gathered once per tile instead of once per token. The tile count is static:
-  min(T, (T + S (q_tile - 1)) // q_tile).
+  boundary (a sequence with q_len new tokens gets ceil(q_len / q_tile) tiles). The tile count is
+  static, min(T, (T + S (q_tile - 1)) // q_tile), so it must allow one partial tile per (padded)
+  sequence. The tile size is picked at trace time from T and S: 1 when T <= 2 S (decode, mixed
+  decode + small prefill), so each token is its own tile and nothing is wasted; else the power of
+  two <= T / (2 S), at most 64, for prefill chunks: the KV pages of a long prompt are gathered once
+  per tile instead of once per token, and tile rows computed in vain stay under ~T / 2.
 * Each tile gathers its sequence's KV pages `kv_chunk_pages` at a time from the stacked cache
   (`k_cache[layer, page_ids]`: one gather, no per-layer copy) and folds them in with an online
   softmax. The chunk size is chosen so the gathered K/V and the score block stay under
@@ -86,7 +87,7 @@ def query_tile_size(num_tokens: int, num_seqs: int) -> int:
     """Rows per query tile (static): 1 for decode-like batches, larger for prefill chunks."""
     if num_tokens <= 2 * num_seqs:
         return 1
-    return min(_MAX_Q_TILE, _pow2_floor(num_tokens // num_seqs))
+    return min(_MAX_Q_TILE, _pow2_floor(num_tokens // (2 * num_seqs)))
 
 
 def kv_chunk_pages(num_tiles: int, q_tile: int, num_heads: int, num_kv_heads: int, head_dim: int,

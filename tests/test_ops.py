@@ -85,8 +85,8 @@ def rel_err(a, b):
 
 CASES = {  # name: (q_lens, kv_lens, T, S, P)
     "decode": ([1, 1, 1], [5, 13, 1], 4, 4, 4),  # T <= 2S: one token per tile
-    "prefill_chunks": ([9, 5, 1], [9, 14, 7], 16, 4, 4),  # q_tile 4, tiles split sequences
-    "one_long_prefill": ([30], [37], 32, 1, 10),  # q_tile 32
+    "prefill_chunks": ([9, 5, 1], [9, 14, 7], 32, 4, 4),  # q_tile 4, tiles split sequences
+    "one_long_prefill": ([30], [37], 32, 1, 10),  # q_tile 16
     "mixed": ([6, 1, 2, 7], [6, 11, 3, 20], 16, 8, 6),
 }
 
@@ -126,8 +126,9 @@ def test_chunk_and_tile_sizes_bound_memory():
     tiles, pages = 256, ops.kv_chunk_pages(256, 1, 32, 8, 128, 16, 128)
     assert tiles * pages * 16 * 8 * 128 <= ops._ELEMENT_BUDGET
     assert ops.query_tile_size(256, 256) == 1
-    assert ops.query_tile_size(512, 8) == 64
-    assert ops.query_tile_size(64, 8) == 8
+    assert ops.query_tile_size(512, 8) == 32
+    assert ops.query_tile_size(64, 8) == 4
+    assert ops.query_tile_size(4096, 8) == 64
 
 
 def test_bfloat16_inputs():
