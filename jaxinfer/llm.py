@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Iterator, Sequence
@@ -41,8 +42,27 @@ class LLM:
     ) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        request_ids = self._add(prompts, params)
-        return self._run(request_ids, use_tqdm)
+        # n > 1: n child requests (seeds seed, seed+1, ... when seeded), merged into one output.
+        flat_prompts, flat_params, owners = [], [], []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            for j in range(sp.n):
+                child = sp if sp.n == 1 else dataclasses.replace(
+                    sp, n=1, best_of=None, seed=None if sp.seed is None else sp.seed + j)
+                flat_prompts.append(p)
+                flat_params.append(child)
+                owners.append(i)
+        request_ids = self._add(flat_prompts, flat_params)
+        outs = self._run(request_ids, use_tqdm)
+        merged: list[RequestOutput | None] = [None] * len(prompts)
+        for i, out in zip(owners, outs):
+            if merged[i] is None:
+                merged[i] = out
+            else:
+                merged[i].outputs.extend(out.outputs)
+        for m in merged:
+            for j, c in enumerate(m.outputs):
+                c.index = j
+        return merged
 
     def chat(
         self,

@@ -156,3 +156,13 @@ def test_chat_uses_the_template(tiny_llm):
                                                  add_generation_prompt=True)
     assert out[0].prompt_token_ids == ids
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_n_completions_per_prompt(tiny_llm):
+    sp = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
+    (out,) = tiny_llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    seqs = [c.token_ids for c in out.outputs]
+    assert len({tuple(t) for t in seqs}) > 1  # different seeds per completion
+    (again,) = tiny_llm.generate([[5, 6, 7, 8]], sp, use_tqdm=False)
+    assert [c.token_ids for c in again.outputs] == seqs
