@@ -10,6 +10,7 @@ that line alone (a bad line never stops the job).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from jaxinfer.sampling_params import SamplingParams
@@ -49,9 +50,15 @@ def sampling_params_from_body(body: dict) -> SamplingParams:
 def run_batch(input_path: str, output_path: str, model: str, engine_kwargs: dict) -> int:
     from jaxinfer.llm import LLM
 
+    if not os.path.isfile(input_path):
+        raise ValueError(f"input file {input_path!r} does not exist")
+    return run_batch_with(LLM(model, **engine_kwargs), input_path, output_path)
+
+
+def run_batch_with(llm, input_path: str, output_path: str, *, use_tqdm: bool = True) -> int:
+    """Runs every line through one continuous batch; returns 0, or 1 when some line failed."""
     with open(input_path) as f:
         lines = [ln for ln in f if ln.strip()]
-    llm = LLM(model, **engine_kwargs)
     engine = llm.engine
     results: dict[int, dict] = {}
     rid_to_line: dict[str, tuple[int, str]] = {}
@@ -69,7 +76,7 @@ def run_batch(input_path: str, output_path: str, model: str, engine_kwargs: dict
             results[i] = {"custom_id": custom_id, "error": {"message": str(e), "line": i + 1}}
     from tqdm.auto import tqdm
 
-    with tqdm(total=len(rid_to_line), desc="batch") as bar:
+    with tqdm(total=len(rid_to_line), desc="batch", disable=not use_tqdm) as bar:
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished and out.request_id in rid_to_line:
