@@ -114,11 +114,13 @@ class ModelConfig:
             raise ValueError("mlp_bias=True is not supported")
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
-        rs = d.get("rope_scaling") or (d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else None)
+        # transformers 4: rope_theta + rope_scaling; transformers 5: rope_parameters holds both
+        rope_parameters = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+        rs = d.get("rope_scaling") or rope_parameters
         rope_scaling = None
         rope_theta = d.get("rope_theta")
-        if isinstance(d.get("rope_parameters"), dict) and rope_theta is None:
-            rope_theta = d["rope_parameters"].get("rope_theta")
+        if rope_theta is None:
+            rope_theta = rope_parameters.get("rope_theta")
         if rs:
             rtype = rs.get("rope_type") or rs.get("type")
             if rtype in ("llama3", "linear"):
