@@ -403,3 +403,32 @@ def test_dummy_weights_quantize():
     os.unlink(f.name)
     assert model.layers.mlp.down_proj.qweight.values.shape == (2, 48, 64)
     assert np.isfinite(_logits(model, [1, 2, 3])).all()
+
+
+# --- pre-quantized checkpoints (orbax) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("source,method", [("llama", "int4"), ("qwen2", "int8"),
+                                           ("llama-Q4_1", "int4")])
+def test_quantized_checkpoint_round_trip(tiny_model_dirs, tmp_path, source, method):
+    from jaxinfer import quant_checkpoint
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.models.layers import QuantizedLinear
+    from jaxinfer.models.loader import load_model
+    from jaxinfer.tokenizer import Tokenizer
+
+    ec = EngineConfig(quantization=method, quantize_lm_head=True)
+    out = quant_checkpoint.quantize_checkpoint(tiny_model_dirs[source], tmp_path / "q", ec)
+    assert quant_checkpoint.is_quantized_checkpoint(out)
+    assert os.path.isfile(os.path.join(out, "config.json"))
+    _, q_model = load_model(tiny_model_dirs[source], ec)
+    config, restored = quant_checkpoint.load_quantized(out)
+    assert config == q_model.config
+    assert isinstance(restored.layers.self_attn.qkv_proj, QuantizedLinear)
+    np.testing.assert_array_equal(_logits(restored, TOKENS), _logits(q_model, TOKENS))
+    if not source.endswith("Q4_1"):  # the tiny GGUF files carry a placeholder vocabulary only
+        text = "The quick brown fox"
+        assert Tokenizer.from_source(out).encode(text) == Tokenizer.from_source(
+            tiny_model_dirs[source]).encode(text)
+    with pytest.raises(ValueError, match="must not exist or be empty"):
+        quant_checkpoint.save_quantized(restored, out)
