@@ -6,8 +6,8 @@
 
 Model table: one row per weight format, float32 being the GGUF file dequantized (the file is
 Q4_1, so "int4-g32" is the file's own weights loaded as stored). Perplexity is over
-tests/data/ppl_text.txt through the model forward (chunked prefill through the paged cache,
-512 tokens a chunk, full left context); decode tokens/s go through jaxinfer.LLM (greedy,
+tests/data/ppl_text.txt (jaxinfer.perplexity: chunked prefill through the paged cache, 512
+tokens a chunk, full left context); decode tokens/s go through jaxinfer.LLM (greedy,
 ignore_eos, a warm-up run of the same shapes first). Ratios are against float32.
 """
 
@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxinfer import quant  # noqa: E402
+from jaxinfer.perplexity import perplexity  # noqa: E402
 
 TEXT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "ppl_text.txt")
 PROMPTS = [
@@ -57,52 +58,6 @@ ROWS = [
     Row("int4-g32 sym, requantized", {}, dict(method="int4", symmetric=True), decode=False),
     Row("int4-g64 asym, requantized", {}, dict(method="int4", group_size=64), decode=False),
 ]
-
-
-# --- perplexity ---------------------------------------------------------------------------------
-
-
-def perplexity(model, token_ids: list[int], chunk: int = 512, page_size: int = 16) -> float:
-    """exp(mean NLL) of token_ids[1:], fed in chunks through the paged cache (one sequence)."""
-    from flax import nnx
-
-    from jaxinfer.runtime.kv_cache import AttentionMetadata, allocate_kv_cache
-
-    graphdef, state = nnx.split(model)
-    n = len(token_ids)
-    num_pages = -(-n // page_size) + 1
-    pages = np.arange(1, num_pages, dtype=np.int32)  # page 0 is the null page
-    cache = allocate_kv_cache(model.config, num_pages, page_size, jnp.float32)
-
-    @jax.jit
-    def nll(state, cache, ids, pos, md, targets, valid):
-        m = nnx.merge(graphdef, state)
-        hidden, cache = m(ids, pos, cache, md, attention_backend="xla")
-        logp = jax.nn.log_softmax(m.compute_logits(hidden), axis=-1)  # f32[T, V]
-        picked = jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
-        return -jnp.sum(jnp.where(valid, picked, 0.0)), cache
-
-    total, count = 0.0, 0
-    for start in range(0, n - 1, chunk):
-        stop = min(start + chunk, n - 1)  # predict token t+1 from tokens <= t
-        q = stop - start
-        ids = np.zeros(chunk, np.int32)
-        ids[:q] = token_ids[start:stop]
-        pos = np.zeros(chunk, np.int32)
-        pos[:q] = np.arange(start, stop)
-        slots = np.arange(chunk, dtype=np.int32) % page_size  # padding -> the null page
-        slots[:q] = pages[pos[:q] // page_size] * page_size + pos[:q] % page_size
-        targets = np.zeros(chunk, np.int32)
-        targets[:q] = token_ids[start + 1:stop + 1]
-        md = AttentionMetadata(
-            slot_mapping=jnp.asarray(slots), cu_q_lens=jnp.asarray([0, q], jnp.int32),
-            kv_lens=jnp.asarray([stop], jnp.int32), page_indices=jnp.asarray(pages[None, :]),
-            num_seqs=jnp.asarray([1], jnp.int32))
-        s, cache = nll(state, cache, jnp.asarray(ids), jnp.asarray(pos), md,
-                       jnp.asarray(targets), jnp.arange(chunk) < q)
-        total += float(s)
-        count += q
-    return float(np.exp(total / count))
 
 
 def weight_bytes(model) -> int:
