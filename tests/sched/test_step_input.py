@@ -155,7 +155,8 @@ def test_coarse_buckets_cover_every_step_with_few_shapes():
         for s in range(1, min(t, 64) + 1, 3):
             T, S, P = b.pick(t, s, 1 + t % 512)
             assert (T, S, P) in set(shapes) and T >= t and S >= s
-    assert b.pick(3, 1, 1) == (8, 8, 512) and b.pick(100, 20, 3) == (128, 64, 512)
+    assert b.pick(3, 1, 1) == (4, 1, 512) and b.pick(3, 3, 1) == (4, 4, 512)
+    assert b.pick(100, 20, 3) == (128, 64, 512)
 
 
 def test_make_step_input_with_coarse_buckets():
