@@ -349,8 +349,10 @@ class _Server:
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value
+        vocab = self._vocab_size()
+        if vocab is not None and kw.get("top_k", -1) >= vocab:
+            kw["top_k"] = -1  # keeping every token: the same as off (and no int32 overflow)
         if req.logit_bias:
-            vocab = self._vocab_size()
             for key in req.logit_bias:
                 if not key.lstrip("-").isdigit() or (vocab is not None and not 0 <= int(key) < vocab):
                     raise APIError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab})",

@@ -107,3 +107,36 @@ def test_metrics_read_from_the_engine(client):
     assert values["jaxinfer_kv_pages_used"] == 0
     assert values["jaxinfer_kv_pages_total"] == 95
     assert values["jaxinfer_num_requests_running"] == 0
+
+
+@pytest.mark.parametrize("extra", [
+    {"top_k": 2**40}, {"seed": 2**70}, {"seed": -5}, {"stop_token_ids": [2**40]},
+    {"min_tokens": 2**40}, {"repetition_penalty": 1e30}, {"temperature": 1e-30},
+    {"top_p": 1e-30}, {"min_p": 1.0}, {"logit_bias": {"5": 100, "6": -100}},
+    {"presence_penalty": 2, "frequency_penalty": -2}, {"max_tokens": 2**40},
+    {"stop": ["a" * 10_000]}, {"n": 3, "seed": 2**32 - 2},
+])
+def test_odd_values_never_break_the_batch(client, extra):
+    """Each request gets 200 or 400; none makes an engine step fail (that would fail everyone)."""
+    before = _step_errors(client)
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "temperature": 1.0,
+                                             **extra})
+    assert r.status_code in (200, 400), r.text
+    assert _step_errors(client) == before
+
+
+@pytest.mark.parametrize("extra", [{"min_tokens": 2**31 - 1}, {"top_k": 2**31 - 1, "max_tokens": 3},
+                                   {"max_completion_tokens": 2**31 - 1}])
+def test_odd_chat_values_never_break_the_batch(client, extra):
+    before = _step_errors(client)
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "temperature": 1.0,
+                                                  **extra})
+    assert r.status_code in (200, 400), r.text
+    assert _step_errors(client) == before
+
+
+def _step_errors(client) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("jaxinfer_engine_step_errors_total "):
+            return float(line.split()[1])
+    raise AssertionError("no step error counter")
