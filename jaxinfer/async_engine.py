@@ -49,6 +49,7 @@ class _Stream:
 
 
 _ADD, _ABORT, _CALL = "add", "abort", "call"
+_METRICS_PERIOD_S = 0.05  # engine.metrics is read at most this often while steps run
 
 
 class AsyncEngine:
@@ -255,25 +256,29 @@ class AsyncEngine:
         self._snapshot_metrics()
         self._ready.set()
         in_flight: set[str] = set()
-        while True:
-            if self._process_commands(in_flight):
-                self._snapshot_metrics()  # e.g. pages freed by aborts, before the loop idles
-            if self._stop.is_set():
-                break
-            if not engine.has_unfinished_requests():
-                self._wake.wait(self._idle_poll_s)
-                self._wake.clear()
-                continue
+        last_snapshot = time.monotonic()
+        while not self._stop.is_set():
             try:
+                if self._process_commands(in_flight):
+                    self._snapshot_metrics()  # e.g. pages freed by aborts, before the loop idles
+                if self._stop.is_set():
+                    break
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(self._idle_poll_s)
+                    self._wake.clear()
+                    continue
                 outputs = engine.step()
-            except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
+            except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
                 self._on_step_error(e, in_flight)
                 continue
             for out in outputs:
                 if out.finished:
                     in_flight.discard(out.request_id)
             self._post(outputs)
-            self._snapshot_metrics()
+            now = time.monotonic()
+            if now - last_snapshot >= _METRICS_PERIOD_S or not in_flight:
+                self._snapshot_metrics()
+                last_snapshot = now
         self._snapshot_metrics()
 
     def _process_commands(self, in_flight: set[str]) -> int:
@@ -320,7 +325,11 @@ class AsyncEngine:
         in_flight.clear()
         self._post([], [(request_id, err) for request_id in failed])
         self._snapshot_metrics()
-        if self.engine.has_unfinished_requests():
+        try:
+            wedged = self.engine.has_unfinished_requests()
+        except Exception:  # noqa: BLE001
+            wedged = True
+        if wedged:
             time.sleep(0.1)  # a wedged engine must not spin the CPU
 
     def _snapshot_metrics(self) -> None:

@@ -161,3 +161,25 @@ async def test_warmup_error_is_reported_not_ready():
     await ae.wait_ready(TIMEOUT)
     assert not ae.is_ready and "no device" in str(ae.warmup_error)
     await ae.shutdown(TIMEOUT)
+
+
+async def test_any_engine_call_failing_keeps_the_loop_alive():
+    class Flaky(FakeEngine):
+        fail_checks = 0
+
+        def has_unfinished_requests(self):
+            if self.fail_checks and self._running:
+                self.fail_checks -= 1
+                raise RuntimeError("flaky check")
+            return super().has_unfinished_requests()
+
+    engine = Flaky(step_delay_s=0.002)
+    ae = AsyncEngine(engine)
+    await ae.wait_ready(TIMEOUT)
+    engine.fail_checks = 1
+    with pytest.raises(EngineError, match="flaky check"):
+        await asyncio.wait_for(_collect(ae, [3], SamplingParams(max_tokens=50), "x"), TIMEOUT)
+    outs = await asyncio.wait_for(_collect(ae, [3], SamplingParams(max_tokens=3), "y"), TIMEOUT)
+    assert outs[-1].finished
+    assert (await ae.call(lambda e: e.metrics)).num_used_pages == 0
+    await ae.shutdown(TIMEOUT)
