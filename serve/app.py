@@ -333,6 +333,11 @@ class _Server:
     # -- jobs -----------------------------------------------------------------------------------
     def _make_jobs(self, request_id: str, prompts: list[_Prompt], req, *, max_tokens: int | None,
                    logprobs: int | None, prompt_param: str, max_tokens_param: str) -> list[_Job]:
+        num_choices = len(prompts) * req.n
+        if num_choices > self.engine.max_waiting:
+            raise APIError(400, f"this request asks for {num_choices} completions (prompts x n); "
+                                f"the server takes at most {self.engine.max_waiting} at once",
+                           param="n", code="invalid_value")
         limit = self.engine.max_model_len
         for p in prompts:
             if limit is not None and len(p.token_ids) >= limit:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_v
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
+MAX_STOP_STRINGS = 16  # OpenAI allows 4; each one is searched in every streamed step
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 # Order matters: pydantic tries the union members left to right in smart mode on exact type match.
@@ -36,7 +37,7 @@ class _SamplingFields(_Body):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -49,7 +50,7 @@ class _SamplingFields(_Body):
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=1024)] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0  # lower runs first under the engine's "priority" policy

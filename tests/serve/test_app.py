@@ -262,6 +262,8 @@ def test_chat_stream_logprobs_cover_every_token(client):
     ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"5": 500}}, "logit_bias"),
     ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
+    ({"prompt": ["x"] * 600, "n": 2}, "n"),
     ({"prompt": [1, "a"]}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [10**7]}, "prompt"),
