@@ -46,7 +46,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="address to bind (default: 127.0.0.1, this machine only)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=None,
-                   help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV} if set)")
+                   help=f"require `Authorization: Bearer KEY` (default: ${API_KEY_ENV} if set; "
+                        "prefer the variable: command lines are visible to other users)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model argument's name)")
     g.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's own)")
