@@ -11,7 +11,7 @@ DEFAULT_MODEL = "smollm2-135m"
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--page-size", type=int, default=None)
     g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from --kv-memory-fraction)")
     g.add_argument("--kv-memory-fraction", type=float, default=None)
     g.add_argument("--max-num-seqs", type=int, default=None)

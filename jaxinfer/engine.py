@@ -126,7 +126,10 @@ class LLMEngine:
         if fraction is None:
             fraction = 0.15 if jax.default_backend() == "cpu" else 0.85
         budget = int(free * fraction)
-        by_memory = max(2, budget // self._bytes_per_page())
+        by_memory = budget // self._bytes_per_page()
+        # Rounded down to a multiple of 256 pages: free memory varies from start to start, and a
+        # different pool shape would miss the persistent compilation cache.
+        by_memory = max(by_memory // 256 * 256, min(by_memory, 256), 2)
         return int(min(wanted, by_memory))
 
     # -- requests ---------------------------------------------------------------------------
@@ -151,6 +154,7 @@ class LLMEngine:
                 )
         if not token_ids:
             raise ValueError("prompt must not be empty")
+        self._check_vocab_ids(params)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt is {len(token_ids)} tokens long; the context limit is "
@@ -171,6 +175,15 @@ class LLMEngine:
         )
         self.scheduler.add_request(req)
         self.outputs.add(req, prompt_text)
+
+    def _check_vocab_ids(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_request(request_id)

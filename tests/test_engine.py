@@ -118,8 +118,13 @@ def test_prompt_too_long_is_value_error_and_engine_keeps_serving(tiny_llm):
         tiny_llm.generate([[5] * 300], SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="vocabulary"):
         tiny_llm.generate([[10**6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        tiny_llm.generate([[5]], SamplingParams(stop_token_ids=[2**40]), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        tiny_llm.generate([[5]], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
     assert not tiny_llm.engine.has_unfinished_requests()
-    out = tiny_llm.generate([[5, 6]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    out = tiny_llm.generate([[5, 6]], SamplingParams(max_tokens=2, temperature=0, top_k=2**40),
+                            use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
 
 
