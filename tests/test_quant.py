@@ -170,6 +170,20 @@ def test_quantized_matmul_does_not_keep_a_float_weight():
     assert stats.temp_size_in_bytes <= k * n * 4 + 65536  # XLA CPU: one f32 temp, no more
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_large_matrices_multiply_in_column_chunks(monkeypatch, bits):
+    monkeypatch.setattr(quant, "_CHUNKED_ABOVE", 64 * 96 - 1)
+    monkeypatch.setattr(quant, "_CHUNK_WEIGHTS", 64 * 16)
+    assert quant._num_column_chunks(64, 96) == 6  # six chunks of 16 columns
+    w = _weight(64, 96)
+    qw = quant.quantize_int8(w) if bits == 8 else quant.quantize_int4(w, 32, symmetric=False)
+    x = jax.random.normal(jax.random.key(0), (2, 5, 64), jnp.float32)
+    want = np.einsum("abk,kn->abn", np.asarray(x, np.float64),
+                     np.asarray(quant.dequantize(qw), np.float64))
+    got = jax.jit(quant.quantized_matmul)(x, qw)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * np.abs(want).max())
+
+
 def test_quantized_embedding_gathers_dequantized_columns():
     qw = quant.quantize_int4(_weight(64, 50), 32, symmetric=False)
     ids = jnp.array([3, 0, 49, 3], jnp.int32)
@@ -365,17 +379,32 @@ def test_gguf_tensors_load_as_stored(tiny_model_dirs, tensor_type, method):
 
     path = tiny_model_dirs[f"llama-{tensor_type}"]
     _, float_model = load_model(path)
-    _, q_model = load_model(path, EngineConfig(quantization=method, quantize_lm_head=True))
+    # the LM head is quantized as int8 (by default): as stored only from Q8_0
+    head = tensor_type == "Q8_0"
+    _, q_model = load_model(path, EngineConfig(quantization=method, quantize_lm_head=head))
     pairs = [(q_model.layers.self_attn.qkv_proj, float_model.layers.self_attn.qkv_proj),
              (q_model.layers.self_attn.o_proj, float_model.layers.self_attn.o_proj),
              (q_model.layers.mlp.gate_up_proj, float_model.layers.mlp.gate_up_proj),
-             (q_model.layers.mlp.down_proj, float_model.layers.mlp.down_proj),
-             (q_model.lm_head, float_model.lm_head)]
+             (q_model.layers.mlp.down_proj, float_model.layers.mlp.down_proj)]
+    pairs += [(q_model.lm_head, float_model.lm_head)] if head else []
     for q_linear, f_linear in pairs:
         assert q_linear.group_size == 32 and q_linear.bits == (8 if method == "int8" else 4)
         np.testing.assert_array_equal(quant.dequantize(q_linear.qweight), f_linear.weight[...])
     want, got = _logits(float_model, TOKENS), _logits(q_model, TOKENS)
     assert _rel(got, want) < 1e-5
+
+
+def test_int4_model_keeps_an_int8_head_unless_asked(tiny_model_dirs):
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.models.loader import load_model
+
+    ec = EngineConfig(quantization="int4", quantize_lm_head=True)
+    _, q_model = load_model(tiny_model_dirs["llama-Q4_1"], ec)
+    assert q_model.lm_head.bits == 8 and q_model.layers.mlp.down_proj.bits == 4
+    _, float_model = load_model(tiny_model_dirs["llama"])
+    qconfig = quant.QuantConfig("int4", quantize_lm_head=True, lm_head_method="int4")
+    quant.quantize_model(float_model, qconfig)
+    assert float_model.lm_head.bits == 4 and float_model.lm_head.group_size == 32
 
 
 def test_gguf_other_group_size_is_requantized(tiny_model_dirs):
