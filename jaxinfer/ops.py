@@ -35,8 +35,9 @@ from jaxinfer.runtime.kv_cache import AttentionMetadata, KVCache
 BACKENDS = ("auto", "xla", "pallas")
 _ELEMENT_BUDGET = 1 << 25  # max elements of one gathered K (or V) chunk and of one score block
 _MAX_Q_TILE = 64
-_MAX_CHUNK_TOKENS = 512  # KV positions per online-softmax step: the loop then only visits the
-# chunks the batch's real contexts reach, so a wide (fixed) page table costs nothing extra
+_MAX_CHUNK_TOKENS = 128  # KV positions per online-softmax step: the loop then only visits the
+# chunks the batch's real contexts reach, so a wide (fixed) page table costs nothing extra.
+# 128 measured best on XLA CPU for a batch-64 decode at context 256 (22 ms/layer vs 97 at 512, 36 at 64)
 
 
 def write_kv(cache: KVCache, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:
