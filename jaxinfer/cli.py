@@ -72,6 +72,33 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return run_batch(args.input, args.output, args.model, engine_kwargs(args))
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    import time
+
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.quant_checkpoint import quantize_checkpoint
+
+    if args.quantization is None:
+        raise ValueError("quantize needs --quantization int8 or int4")
+    t0 = time.perf_counter()
+    out = quantize_checkpoint(args.model, args.out, EngineConfig(**engine_kwargs(args)))
+    print(f"saved {out} in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    import os
+
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.perplexity import eval_ppl
+
+    if not os.path.isfile(args.text):
+        raise ValueError(f"--text {args.text!r} does not exist")
+    ppl, n = eval_ppl(args.model, args.text, EngineConfig(**engine_kwargs(args)), chunk=args.chunk)
+    print(f"perplexity {ppl:.4f} over {n} tokens")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from serve.cli import run_serve
 
@@ -97,6 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL)
     add_engine_args(p)
     p.set_defaults(func=cmd_batch)
+
+    p = sub.add_parser("quantize", help="save a pre-quantized checkpoint (orbax) that loads fast")
+    p.add_argument("model")
+    p.add_argument("--out", required=True)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("eval-ppl", help="perplexity of a model over a text file")
+    p.add_argument("model")
+    p.add_argument("--text", required=True)
+    p.add_argument("--chunk", type=int, default=512, help="tokens per window")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_eval_ppl)
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     try:
