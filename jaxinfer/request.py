@@ -142,8 +142,8 @@ class Request:
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0
     # acceptance estimate (sched/spec_policy.py): decayed accepted / decayed trials
-    spec_accept_num: float = 0.0
-    spec_accept_den: float = 0.0
+    spec_accept_num: float = 3.0  # the prior: alpha = 0.75 before any verification
+    spec_accept_den: float = 4.0
     spec_idle_steps: int = 0  # decode steps since the last draft was verified
 
     def __post_init__(self):

@@ -168,10 +168,11 @@ class DraftInputs(NamedTuple):
 
 def draft_sample(logits: jax.Array, md: SamplingMetadata, positions: jax.Array):
     """One draft token per row from the draft's logits f32[S, V]: the argmax for greedy rows, else
-    a draw from q = softmax(warp_logits(logits)) (temperature, min-p, top-k, top-p; `md` carries
-    no penalties) with the row's key at `positions` (the position the token takes).
-    -> (i32[S], q f32[S, V])."""
-    q = target_probs(logits, md)
+    a draw from q = softmax(logits / temperature) cut by min-p, with the row's key at `positions`
+    (the position the token takes). -> (i32[S], q f32[S, V]). No top-k / top-p: any q keeps the
+    rejection rule exact, and this keeps the cut-off search out of the draft loop (a top-p
+    request's drafts outside the nucleus are simply rejected)."""
+    q = jax.nn.softmax(warp_logits(logits.astype(jnp.float32), md, needs_sort=False), axis=-1)
     keys = jax.vmap(lambda key: jax.random.fold_in(key, DRAFT_KEY_STREAM))(
         row_keys(md.seeds, positions))
     sampled_ids = _categorical(q, keys)

@@ -10,8 +10,8 @@ limit and max_tokens:
    alpha 0.75 -> 4, 0.6 -> 2, 0.5 -> 1, below 0.3 -> 0. `alpha` is the request's own acceptance:
    a verification of k drafts that accepted a is a accepted trials plus (if a < k) one rejected
    trial; both counts decay by DECAY per verification, so alpha follows the text as it moves
-   between copying and free prose. Prior: PRIOR_ACCEPTED / PRIOR_TRIALS (0.75, so a new request
-   starts at k = 4). A request at k = 0 probes one draft every PROBE_INTERVAL decode steps, so
+   between copying and free prose. Prior: 3 accepted of 4 trials (0.75, so a new request starts
+   at k = 4). A request at k = 0 probes one draft every PROBE_INTERVAL decode steps, so
    one that starts copying later gets speculation back.
 
 2. Per batch: verification is nearly free while a step is latency-bound (small batches) and costs
@@ -34,7 +34,8 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.request import Request
 
 DECAY = 0.8  # weight of the past per verification step (~5 steps of memory)
-PRIOR_ACCEPTED, PRIOR_TRIALS = 3.0, 4.0  # alpha = 0.75 before any verification; decays away
+# The prior, alpha = 0.75 before any verification (decays away like any observation), lives in
+# Request's defaults: spec_accept_num = 3.0, spec_accept_den = 4.0.
 PROBE_INTERVAL = 8  # decode steps between one-draft probes of a request at k = 0
 
 
@@ -58,9 +59,7 @@ class SpecPolicy:
     @staticmethod
     def acceptance(req: Request) -> float:
         """The request's estimated per-draft acceptance probability alpha."""
-        prior = DECAY ** req.num_spec_steps
-        return ((req.spec_accept_num + PRIOR_ACCEPTED * prior)
-                / (req.spec_accept_den + PRIOR_TRIALS * prior))
+        return req.spec_accept_num / req.spec_accept_den
 
     def num_drafts_for_acceptance(self, alpha: float) -> int:
         big_k, theta = self.num_speculative_tokens, self.min_accept_prob

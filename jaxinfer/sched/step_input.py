@@ -10,12 +10,13 @@ R (sampled rows) == S: row s samples from the last new token of sequence s (a mi
 row is computed and ignored by `Scheduler.update`).
 
 Speculative decoding: a verifying sequence (1 + k new tokens: its last token, then k drafts) has
-k + 1 rows, one per new token, so R = the total number of rows, padded to a power of two (at least
-S, at most T). Per-row sampling arrays are those of the row's request *as if the drafts before it
-were accepted* (its position, its output history for penalties, its min_tokens ban). The optional
-spec_* arrays (Sv = a power of two >= the verifying sequences, K = num_speculative_tokens) tell
-the step which rows to verify against which drafts; the draft_* arrays (a draft-model engine,
-every step) say how many drafts each sequence's draft model proposes for the next step.
+k + 1 rows, one per new token, so R = the total number of rows, padded to S if they fit, else to
+T (a step that verifies pads T to at least K + 1, so any k <= K gives one shape). Per-row sampling
+arrays are those of the row's request *as if the drafts before it were accepted* (its position,
+its output history for penalties, its min_tokens ban). The optional spec_* arrays (Sv = S rows,
+K = num_speculative_tokens columns) tell the step which rows to verify against which drafts; the
+draft_* arrays (a draft-model engine, every step) say how many drafts each sequence's draft model
+proposes for the next step. So a (T, S) has two layouts: with and without verification.
 
 One host->device copy: `StepInput.pack()` gives one i32 buffer and a static layout;
 `unpack(buf, layout, bitcast)` slices it back (numpy or jnp; f32/u32 fields are bitcast).
@@ -244,9 +245,13 @@ def make_step_input(sched_out: SchedulerOutput, engine_config: EngineConfig, max
     buckets = buckets or StepBuckets.from_config(engine_config, max_model_len)
     items = sched_out.scheduled
     pages_per_seq = max((len(it.request.page_ids) for it in items), default=1)  # P bucket >= this
-    shape = buckets.pick(sched_out.num_batched_tokens, len(items), pages_per_seq)
     rows = _Rows(items)
-    num_rows = shape[1] if rows.num_rows == len(items) else max(shape[1], next_power_of_2(rows.num_rows))
+    num_tokens = sched_out.num_batched_tokens
+    if rows.num_rows != len(items):  # verification: one T for any k (few executables)
+        num_tokens = max(num_tokens, min(engine_config.num_speculative_tokens + 1,
+                                         buckets.token_buckets[-1]))
+    shape = buckets.pick(num_tokens, len(items), pages_per_seq)
+    num_rows = shape[1] if rows.num_rows <= shape[1] else shape[0]  # R: S, or T when rows > S
     si = empty_step_input(*shape, buckets.page_size, num_rows=num_rows)
     _fill_attention(si, sched_out, buckets.page_size)
     if rows.num_rows != len(items):
@@ -357,7 +362,7 @@ def _fill_sampling(si: StepInput, sched_out: SchedulerOutput, rows: _Rows) -> No
     sps = [it.request.sampling_params for it in items]
     per_item = {
         "temperature": [sp.temperature for sp in sps],
-        "top_k": [max(sp.top_k, 0) for sp in sps],
+        "top_k": [min(max(sp.top_k, 0), 2**31 - 1) for sp in sps],
         "top_p": [sp.top_p for sp in sps],
         "min_p": [sp.min_p for sp in sps],
         "seeds": [it.request.seed & 0xFFFFFFFF for it in items],
@@ -399,8 +404,8 @@ def _fill_optional(si: StepInput, sched_out: SchedulerOutput, rows: _Rows) -> No
 
 def _fill_spec(si: StepInput, items, rows: _Rows, k: int) -> None:
     verifying = [i for i, it in enumerate(items) if it.spec_token_ids]
-    num_spec = next_power_of_2(len(verifying))
     num_rows, num_seqs = si.seeds.shape[0], si.kv_lens.shape[0]
+    num_spec = num_seqs  # Sv = S: one verifying layout per (T, S)
     si.spec_row_ids = np.full((num_spec, k + 1), num_rows, np.int32)
     si.spec_draft_ids = np.full((num_spec, k), -1, np.int32)
     si.spec_num_draft = np.zeros(num_spec, np.int32)

@@ -1,0 +1,200 @@
+"""Speculative decoding: tokens/s with and without it, single stream and at batch 64.
+
+    python benchmarks/spec.py [--model smollm2-135m] [--max-tokens 128] [--batch 64] [--draft]
+
+Single stream (one request at a time, greedy, SmolLM2's chat template): copy-heavy prompts (repeat
+or edit a given code block, answer with quotes from a given text) and free-form prompts, each run
+with speculation off (`spec_decode=False`) and on (n-gram prompt lookup; `--draft` adds a draft
+model, by default the target itself, which shows the machinery, not a speed-up). Reports output
+tokens/s, acceptance rate and mean accepted length (tokens per verification step), and checks
+the greedy output is identical. Batch: `--batch` requests at once (the same prompts, repeated),
+throughput with the adaptive policy (speculation shrinks, then switches off, as the batch grows:
+sched/spec_policy.py) vs speculation off, and vs speculation forced on at any batch size.
+Every shape is compiled before the timed runs (a first untimed pass with a few tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from jaxinfer import LLM, SamplingParams  # noqa: E402
+
+CODE = '''def moving_average(values, window):
+    """Mean of each run of `window` consecutive values."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    total = sum(values[:window])
+    out = [total / window]
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        out.append(total / window)
+    return out
+'''
+TEXT = ("The Amazon rainforest covers much of the Amazon basin of South America. The basin "
+        "encompasses seven million square kilometres, of which five and a half million square "
+        "kilometres are covered by the rainforest. The majority of the forest is contained within "
+        "Brazil, with sixty percent of the rainforest, followed by Peru with thirteen percent and "
+        "Colombia with ten percent.")
+COPY_PROMPTS = [
+    f"Repeat the following code exactly, without any comment:\n\n{CODE}",
+    f"Rename the variable `total` to `running_sum` in this code and output the whole code:\n\n{CODE}",
+    f"Add a docstring line to this function and output the whole code:\n\n{CODE}",
+    f"Text: {TEXT}\n\nQuote, word for word, the sentences of the text that mention Brazil and Peru.",
+]
+FREE_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me five tips for learning a new language.",
+    "Describe the water cycle.",
+]
+
+
+def chat_ids(llm: LLM, prompt: str) -> list[int]:
+    return llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                             add_generation_prompt=True)
+
+
+def run_single(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> dict:
+    eng = llm.engine
+    m0 = eng.metrics
+    tokens, seconds = [], 0.0
+    for p in prompts:
+        t0 = time.perf_counter()
+        out = llm.generate([p], sp, use_tqdm=False)[0]
+        seconds += time.perf_counter() - t0
+        tokens.append(out.outputs[0].token_ids)
+    return _result(eng, m0, tokens, seconds)
+
+
+def run_batch(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> dict:
+    eng = llm.engine
+    m0 = eng.metrics
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return _result(eng, m0, [o.outputs[0].token_ids for o in outs], time.perf_counter() - t0)
+
+
+def _result(eng, m0, tokens, seconds) -> dict:
+    m = eng.metrics
+    drafted = m.num_draft_tokens_total - m0.num_draft_tokens_total
+    accepted = m.num_accepted_tokens_total - m0.num_accepted_tokens_total
+    steps = m.num_spec_steps_total - m0.num_spec_steps_total
+    num_out = sum(len(t) for t in tokens)
+    return dict(tok_s=num_out / seconds, seconds=seconds, num_out=num_out, tokens=tokens,
+                acceptance=accepted / drafted if drafted else float("nan"),
+                mean_len=1 + accepted / steps if steps else float("nan"),
+                drafted=drafted, compiles=m.num_compilations - m0.num_compilations)
+
+
+def warm(llm: LLM, prompts, sps) -> None:
+    for sp in sps:  # every prefill bucket, decode and verify shape, untimed
+        short = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                               spec_decode=sp.spec_decode)
+        for p in prompts:
+            llm.generate([p], short, use_tqdm=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch-max-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--draft", nargs="?", const="", default=None,
+                    help="also a draft model (default: the target itself)")
+    ap.add_argument("--skip-forced", action="store_true")
+    args = ap.parse_args()
+
+    common = dict(page_size=16, num_pages=2048, max_num_seqs=max(args.batch, 8),
+                  max_num_batched_tokens=256, max_model_len=1024, num_speculative_tokens=args.k)
+    sp_off = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=False,
+                            spec_decode=False)
+    sp_on = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=False)
+    rows, identical = [], True
+
+    llm = LLM(args.model, speculative_method="ngram", **common)
+    workloads = {"copy": [chat_ids(llm, p) for p in COPY_PROMPTS],
+                 "free": [chat_ids(llm, p) for p in FREE_PROMPTS]}
+    t0 = time.perf_counter()
+    warm(llm, workloads["copy"] + workloads["free"], [sp_off, sp_on])
+    print(f"warm-up {time.perf_counter() - t0:.0f} s, {llm.engine.metrics.num_compilations} "
+          "executables", flush=True)
+    single = {}
+    for name, prompts in workloads.items():
+        off = run_single(llm, prompts, sp_off)
+        on = run_single(llm, prompts, sp_on)
+        same = off["tokens"] == on["tokens"]
+        identical &= same
+        single[name] = off
+        rows.append((f"single {name}", "off", off, None))
+        rows.append((f"single {name}", "ngram", on, same))
+        print(f"{name}: off {off['tok_s']:.1f} tok/s, ngram {on['tok_s']:.1f} tok/s, "
+              f"identical {same}", flush=True)
+
+    # batch: the prompts repeated, all at once
+    all_prompts = workloads["copy"] + workloads["free"]
+    batch_prompts = [all_prompts[i % len(all_prompts)] for i in range(args.batch)]
+    sp_b_off = SamplingParams(max_tokens=args.batch_max_tokens, temperature=0, ignore_eos=True,
+                              spec_decode=False)
+    sp_b_on = SamplingParams(max_tokens=args.batch_max_tokens, temperature=0, ignore_eos=True)
+    run_batch(llm, batch_prompts, SamplingParams(max_tokens=4, temperature=0, spec_decode=False))
+    run_batch(llm, batch_prompts[:8], SamplingParams(max_tokens=8, temperature=0))  # more shapes
+    b_off = run_batch(llm, batch_prompts, sp_b_off)
+    b_on = run_batch(llm, batch_prompts, sp_b_on)
+    same = b_off["tokens"] == b_on["tokens"]
+    identical &= same
+    rows.append((f"batch {args.batch}", "off", b_off, None))
+    rows.append((f"batch {args.batch}", "ngram adaptive", b_on, same))
+    print(f"batch {args.batch}: off {b_off['tok_s']:.1f}, adaptive {b_on['tok_s']:.1f} tok/s "
+          f"({b_on['compiles']} compiles in the run)", flush=True)
+    del llm
+    gc.collect()
+
+    if not args.skip_forced:  # the same with the batch rule off: every request speculates
+        llm = LLM(args.model, speculative_method="ngram", spec_max_batched_tokens=10**6, **common)
+        run_batch(llm, batch_prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        forced = run_batch(llm, batch_prompts, sp_b_on)
+        same = forced["tokens"] == b_off["tokens"]
+        identical &= same
+        rows.append((f"batch {args.batch}", "ngram forced", forced, same))
+        print(f"batch {args.batch}: forced {forced['tok_s']:.1f} tok/s "
+              f"({forced['compiles']} compiles in the run)", flush=True)
+        del llm
+        gc.collect()
+
+    if args.draft is not None:
+        draft = args.draft or args.model
+        llm = LLM(args.model, speculative_method="draft", draft_model=draft, **common)
+        warm(llm, workloads["copy"] + workloads["free"], [sp_on])
+        for name, prompts in workloads.items():
+            on = run_single(llm, prompts, sp_on)
+            same = on["tokens"] == single[name]["tokens"]
+            identical &= same
+            rows.append((f"single {name}", f"draft={os.path.basename(draft)}", on, same))
+        del llm
+
+    print(f"\nSpeculative decoding, {args.model}, greedy, chat template, k={args.k}, "
+          f"single stream {args.max_tokens} tokens/prompt (stops at EOS), batch {args.batch} x "
+          f"{args.batch_max_tokens} tokens, CPU={os.cpu_count()} cores")
+    print(f"{'workload':>14} | {'speculation':>15} | {'tok/s':>7} | {'ratio':>6} | {'accept':>6} | "
+          f"{'mean len':>8} | {'drafts':>6} | same")
+    print("-" * 92)
+    base = {}
+    for workload, mode, r, same in rows:
+        base.setdefault(workload, r["tok_s"])
+        ratio = r["tok_s"] / base[workload]
+        print(f"{workload:>14} | {mode:>15} | {r['tok_s']:7.1f} | {ratio:5.2f}x | "
+              f"{r['acceptance']:6.1%} | {r['mean_len']:8.2f} | {r['drafted']:6d} | "
+              f"{'' if same is None else same}")
+    print(f"greedy output identical with and without speculation: {identical}")
+
+
+if __name__ == "__main__":
+    main()

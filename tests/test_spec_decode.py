@@ -1,0 +1,515 @@
+"""Speculative decoding: proposers, policy, rollback (host, fake model), verification statistics
+(tiny model logits), end to end on the tiny Llama (random draft: many rejections) and on SmolLM2
+(greedy output identical with and without speculation)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.request import Request
+from jaxinfer.sched.spec_policy import PROBE_INTERVAL, SpecPolicy
+from tests.sched.fake_runner import Harness, fake_next_token, make_request, solo_outputs
+
+# A budget that prefills a whole batch in one step keeps its sequences in lockstep, and no prefix
+# cache keeps every prefill whole: few shapes, few compiles.
+TINY_KW = dict(num_pages=128, page_size=8, max_num_seqs=8, max_num_batched_tokens=256,
+               max_model_len=128, enable_prefix_caching=False)
+NUM_DRAWS = 20_000
+P_MIN = 0.01
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# ------------------------------------------------------------------------------ host only
+def test_ngram_proposer_prefers_long_recent_matches():
+    from jaxinfer.spec_decode import NgramProposer
+
+    ngram = NgramProposer(ngram_min=1, ngram_max=3)
+    #            0  1  2  3  4  5  6  7  8  9
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    # suffix [1, 2, 3] occurred at 0: propose what followed it
+    assert ngram.propose(tokens, 3) == [4, 5, 9]
+    # suffix [7, 2, 3]? no; [2, 3] occurs at 1 and 6: the latest with k tokens after it wins
+    assert ngram.propose([5, 2, 3, 4, 6, 2, 3, 8, 9, 0, 2, 3], 2) == [8, 9]
+    assert ngram.propose([5, 2, 3, 4, 6, 2, 3, 8, 2, 3], 4) == [4, 6, 2, 3]  # only 0 has 4 after
+    assert ngram.propose([5, 2, 3, 4, 6, 2, 3, 8, 2, 3], 2) == [8, 2]
+    assert ngram.propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert NgramProposer(2, 3).propose([1, 2, 5, 2], 3) == []  # a 1-gram match is not enough
+    assert ngram.propose([7, 7, 7, 7], 3) == [7]  # overlapping run: as much as there is
+    assert ngram.propose(tokens, 0) == []
+    with pytest.raises(ValueError, match="ngram_min"):
+        NgramProposer(3, 2)
+
+
+def _req(**kw) -> Request:
+    req = make_request("r", [1, 2, 3])
+    req.spec_enabled = True
+    for k, v in kw.items():
+        setattr(req, k, v)
+    return req
+
+
+def test_spec_policy_adapts_k_to_acceptance_and_batch():
+    policy = SpecPolicy(num_speculative_tokens=4, max_batched_tokens=64, min_accept_prob=0.3)
+    req = _req()
+    assert policy.acceptance(req) == pytest.approx(0.75)
+    assert policy.num_drafts(req, 1) == 4  # 0.75**4 = 0.32 >= 0.3
+    ks = []
+    while (k := policy.num_drafts(req, 1)) > 0:  # everything rejected: k shrinks to 0
+        ks.append(k)
+        policy.observe(req, k, 0)
+    assert ks == [4, 2, 1, 1]
+    for _ in range(PROBE_INTERVAL - 1):  # steps without drafts, then one probe
+        policy.observe(req, 0, 0)
+        assert policy.num_drafts(req, 1) == 0
+    policy.observe(req, 0, 0)
+    assert policy.num_drafts(req, 1) == 1
+    ks = []
+    while (k := policy.num_drafts(req, 1)) < 4:  # everything accepted: back to k = 4
+        ks.append(k)
+        policy.observe(req, k, k)
+    assert ks == [1, 1, 1, 2], ks
+    # batch rule: 64 // n - 1 drafts each, off beyond 32 requests
+    assert [policy.num_drafts(req, n) for n in (8, 16, 21, 32, 33, 64)] == [4, 3, 2, 1, 0, 0]
+    assert policy.num_drafts(_req(spec_enabled=False), 1) == 0
+    assert policy.num_drafts_for_acceptance(0.6) == 2 and policy.num_drafts_for_acceptance(0.2) == 0
+
+
+def test_check_draft_compatible():
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.spec_decode import check_draft_compatible
+
+    cfg = ModelConfig("llama", 100, 8, 16, 1, 2, 1, 4)
+    check_draft_compatible(cfg, cfg, {"a": 0, "b": 1}, {"a": 0, "b": 1})
+    with pytest.raises(ValueError, match="vocab_size=101"):
+        check_draft_compatible(cfg, ModelConfig("llama", 101, 8, 16, 1, 2, 1, 4))
+    with pytest.raises(ValueError, match="tokenizer"):
+        check_draft_compatible(cfg, cfg, {"a": 0, "b": 1}, {"a": 1, "b": 0})
+
+
+def test_step_input_rows_see_the_drafts_before_them():
+    """A verifying request's rows: one per new token, each sampling the next position with the
+    output history (penalties) and min_tokens ban of a request whose drafts before it were
+    accepted; then update() keeps the accepted drafts + the target's token and rolls back."""
+    from jaxinfer.sched.scheduler import Scheduler
+    from jaxinfer.sched.step_input import make_step_input
+    from tests.sched.fake_runner import EOS, make_config
+
+    cfg = make_config(page_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                      speculative_method="ngram", num_speculative_tokens=3)
+    sched = Scheduler(cfg, 32, 64, (EOS,), spec_policy=SpecPolicy(3, 1000, 0.0))
+    a = make_request("a", [10, 11, 12, 13, 14], max_tokens=20, min_tokens=3, seed=7,
+                     repetition_penalty=1.5)
+    b = make_request("b", [20, 21], max_tokens=20, seed=8)
+    for r in (a, b):
+        r.spec_enabled = True
+        sched.add_request(r)
+    sched.update(sched.schedule(), np.asarray([30, 40], np.int32))
+    a.spec_token_ids = [31, 32, 33]
+    out = sched.schedule()
+    assert [it.num_new_tokens for it in out.scheduled] == [4, 1] and a.num_computed_tokens == 9
+    si = make_step_input(out, cfg, 64)
+    assert si.num_rows == 5 and si.temperature.shape[0] >= 5
+    assert si.input_ids[:5].tolist() == [30, 31, 32, 33, 40]
+    assert si.logits_indices[:5].tolist() == [0, 1, 2, 3, 4]
+    assert si.sample_positions[:5].tolist() == [6, 7, 8, 9, 3]
+    assert si.seeds[:5].tolist() == [7, 7, 7, 7, 8]
+    history = [[t for t in row if t >= 0] for row in si.output_token_ids[:5].tolist()]
+    assert history == [[30], [30, 31], [30, 31, 32], [30, 31, 32, 33], [40]]
+    assert [EOS in row.tolist() for row in si.bias_token_ids[:5]] == [True, True, False, False,
+                                                                      False]  # 1, 2 outputs < 3
+    assert si.spec_row_ids[0].tolist() == [0, 1, 2, 3] and si.spec_draft_ids[0].tolist() == [31, 32, 33]
+    assert si.spec_num_draft.tolist()[:2] == [3, 0] and si.spec_seq_ids[0] == 0
+    # verification: 31 and 32 accepted, 50 instead of 33; b decodes 41
+    sched.update(out, np.asarray([31, 32, 50, -1, 41], np.int32))
+    assert a.output_token_ids == [30, 31, 32, 50] and b.output_token_ids == [40, 41]
+    assert a.num_computed_tokens == a.num_tokens - 1 == 8 and len(a.page_ids) == 2
+    assert (a.num_draft_tokens, a.num_accepted_tokens, a.num_spec_steps) == (3, 2, 1)
+    sched.check_invariants()
+
+
+class FakeVerifier:
+    """A 'greedy model' over token ids (tests/sched/fake_runner.py's next-token function) that also
+    verifies drafts: every context is read back through the pages (a stale or rolled-back-wrong
+    slot fails at once), each verified row's token is the model's next token after that row's
+    prefix, and rows emit the accepted drafts, then the model's token, then -1."""
+
+    def __init__(self, num_pages, page_size, vocab_size=64):
+        self.ps, self.vocab_size = page_size, vocab_size
+        self.kv = np.full(num_pages * page_size, -1, np.int64)
+
+    def execute(self, si, sched_out) -> np.ndarray:
+        ps = self.ps
+        assert np.all(si.slot_mapping[si.num_real_tokens:] < ps), "padding writes a real page"
+        assert np.all(si.slot_mapping[:si.num_real_tokens] >= ps), "a real token writes page 0"
+        self.kv[si.slot_mapping] = si.input_ids
+        out = np.full(si.seeds.shape[0], -2, np.int32)
+        row = 0
+        for s, item in enumerate(sched_out.scheduled):
+            req, kv_len = item.request, int(si.kv_lens[s])
+            pos = np.arange(kv_len)
+            context = self.kv[si.page_indices[s][pos // ps] * ps + pos % ps]
+            assert context.tolist() == (req.all_token_ids + item.spec_token_ids)[:kv_len]
+            k = len(item.spec_token_ids)
+            for j in range(k + 1):
+                assert si.sample_positions[row + j] == kv_len - k + j
+            want = [fake_next_token(context[:kv_len - k + j], req.seed, self.vocab_size)
+                    for j in range(k + 1)]
+            num_accepted = 0
+            while num_accepted < k and item.spec_token_ids[num_accepted] == want[num_accepted]:
+                num_accepted += 1
+            out[row:row + k + 1] = want[:num_accepted + 1] + [-1] * (k - num_accepted)
+            row += item.num_rows
+        return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rollback_after_random_rejections_keeps_invariants_and_outputs(seed):
+    """Random drafts (right for a while, then wrong) on a small pool with preemption and prefix
+    caching: invariants after every schedule/update, outputs equal to running each request alone
+    without drafts, every page back at the end."""
+    rng = random.Random(seed)
+    ps = rng.choice([1, 2, 4])
+    max_model_len, k_max = 24, 4
+    h = Harness(num_pages=1 + max_model_len // ps + rng.randint(0, 10), max_model_len=max_model_len,
+                page_size=ps, max_num_seqs=rng.randint(1, 5),
+                max_num_batched_tokens=rng.choice([4, 8, 16, 64]),
+                enable_prefix_caching=rng.random() < 0.7, coarse_buckets=rng.random() < 0.5,
+                speculative_method=rng.choice(["ngram", "draft"]), draft_model="x",
+                num_speculative_tokens=k_max)
+    h.sched.spec_policy = SpecPolicy(k_max, max_batched_tokens=1000, min_accept_prob=0.0,
+                                     draft_lookahead=h.config.speculative_method == "draft")
+    h.runner = FakeVerifier(h.sched.pool.num_pages, ps)
+    family = [rng.randint(2, 63) for _ in range(10)]
+    specs = {}
+    for i in range(12):
+        prompt = family[:rng.randint(0, 10)] + [rng.randint(2, 63) for _ in range(rng.randint(1, 5))]
+        sp = dict(max_tokens=rng.randint(1, 12), seed=rng.randint(0, 9), ignore_eos=rng.random() < 0.5)
+        req = make_request(f"r{i}", prompt, **sp)
+        req.spec_enabled = rng.random() < 0.8
+        specs[req.request_id] = (prompt, sp)
+        h.add(req)
+    num_drafted = 0
+    for _ in range(500):
+        if not h.sched.has_unfinished_requests():
+            break
+        for req in h.sched.running:  # propose: the true continuation for a while, then junk
+            if req.spec_enabled and req.num_tokens - req.num_computed_tokens == 1:
+                context, drafts = list(req.all_token_ids), []
+                num_right = rng.randint(0, k_max)
+                for j in range(rng.randint(0, k_max)):
+                    t = fake_next_token(np.asarray(context), req.seed, 64)
+                    drafts.append(t if j < num_right else (t + 1 + rng.randint(0, 5)) % 64)
+                    context.append(drafts[-1])
+                req.spec_token_ids = drafts
+        if rng.random() < 0.05 and h.sched.running:
+            h.sched._preempt(rng.choice(h.sched.running))
+        _, changed = h.step()
+        num_drafted = h.sched.num_draft_tokens_total
+    assert not h.sched.has_unfinished_requests()
+    assert num_drafted > 0 and h.sched.num_accepted_tokens_total < num_drafted  # rejections
+    for rid, (prompt, sp) in specs.items():
+        assert h.finished[rid].output_token_ids == solo_outputs(prompt, max_model_len, **sp), rid
+    assert h.sched.pool.num_free_pages == h.sched.pool.num_pages - 1
+    h.sched.check_invariants()
+
+
+# ------------------------------------------------------------------------------ tiny model
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory) -> str:
+    """Another random tiny Llama with the same tokenizer: a draft that is mostly wrong."""
+    from tests.tiny_models import save_tiny_model
+
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tiny_draft") / "llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_llm(tiny_llama_dir, tiny_draft_dir):
+    return LLM(tiny_llama_dir, **TINY_KW, speculative_method="draft", draft_model=tiny_draft_dir,
+               num_speculative_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_ngram_llm(tiny_llama_dir):
+    return LLM(tiny_llama_dir, **TINY_KW, speculative_method="ngram", ngram_min=1, ngram_max=3)
+
+
+def _copy_prompts(n: int, seed: int) -> list[list[int]]:
+    """28 tokens (one prefill shape): a block of 8 three times, then 4 more (n-gram food)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 300, size=8).tolist() * 3 + rng.integers(3, 300, size=4).tolist()
+            for _ in range(n)]
+
+
+def test_tiny_draft_model_greedy_identical_with_many_rejections(tiny_draft_llm):
+    llm, eng = tiny_draft_llm, tiny_draft_llm.engine
+    prompts = _copy_prompts(4, 0)
+    off = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, spec_decode=False)
+    on = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    before = eng.metrics
+    expected = _tokens(llm.generate(prompts, off, use_tqdm=False))
+    assert eng.metrics.num_draft_tokens_total == before.num_draft_tokens_total  # opted out
+    outs = llm.generate(prompts, on, use_tqdm=False)
+    assert _tokens(outs) == expected
+    m = eng.metrics
+    drafted = m.num_draft_tokens_total - before.num_draft_tokens_total
+    accepted = m.num_accepted_tokens_total - before.num_accepted_tokens_total
+    assert drafted >= 16 and accepted < drafted / 2  # a random draft: mostly rejected
+    per_request = [o.metrics for o in outs]
+    assert sum(r.num_draft_tokens for r in per_request) == drafted
+    assert sum(r.num_accepted_tokens for r in per_request) == accepted
+    for r in per_request:
+        if r.num_spec_steps:
+            assert r.acceptance_rate == r.num_accepted_tokens / r.num_draft_tokens
+            assert r.mean_accepted_length == 1 + r.num_accepted_tokens / r.num_spec_steps
+    assert eng.scheduler.pool.num_free_pages == eng.num_pages - 1
+    eng.scheduler.check_invariants()
+
+
+def test_tiny_draft_model_sampled_batch_invariant_and_pages_back(tiny_draft_llm):
+    llm, eng = tiny_draft_llm, tiny_draft_llm.engine
+    prompts = _copy_prompts(3, 1)
+    sps = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9 if i % 2 else 1.0, seed=50 + i,
+                          ignore_eos=True) for i in range(len(prompts))]
+    batched = _tokens(llm.generate(prompts, sps, use_tqdm=False))
+    alone = [_tokens(llm.generate([p], [s], use_tqdm=False))[0] for p, s in zip(prompts, sps)]
+    assert batched == alone
+    assert eng.metrics.num_accepted_tokens_total > 0  # sampled drafts do get accepted
+    assert eng.scheduler.pool.num_free_pages == eng.num_pages - 1
+    eng.scheduler.check_invariants()
+
+
+def test_tiny_self_draft_sampled_accepts_nearly_everything(tiny_llama_dir):
+    """The target as its own draft at temperature 1: p == q, so min(1, p/q) = 1 for every draft.
+    A q kept for the wrong request or position, or a draft cache missing what a prefix-cache hit
+    skipped (the third prompt repeats the first), would show as rejections."""
+    llm = LLM(tiny_llama_dir, **{**TINY_KW, "enable_prefix_caching": True},
+              speculative_method="draft", draft_model=tiny_llama_dir, num_speculative_tokens=3)
+    p0, p1 = _copy_prompts(2, 2)
+    outs = []
+    for i, p in enumerate([p0, p1, p0[:-2] + p1[-2:]]):
+        sp = SamplingParams(max_tokens=24, temperature=1.0, seed=i, ignore_eos=True)
+        outs += llm.generate([p], sp, use_tqdm=False)
+    m = llm.engine.metrics
+    assert m.prefix_cache_hit_tokens >= 24
+    assert m.num_draft_tokens_total >= 40
+    assert m.spec_acceptance_rate > 0.95, m
+    assert m.spec_mean_accepted_length > 3.0
+    assert all(len(t) == 24 for t in _tokens(outs))
+    assert llm.engine.scheduler.pool.num_free_pages == llm.engine.num_pages - 1
+
+
+def test_tiny_ngram_identical_with_logprobs_and_stops(tiny_ngram_llm):
+    llm, eng = tiny_ngram_llm, tiny_ngram_llm.engine
+    prompts = _copy_prompts(4, 3)
+    base = dict(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    ref = llm.generate(prompts, SamplingParams(**base, spec_decode=False), use_tqdm=False)
+    off = _tokens(ref)
+    before = eng.metrics.num_draft_tokens_total
+    on = llm.generate(prompts, SamplingParams(**base), use_tqdm=False)
+    assert eng.metrics.num_draft_tokens_total > before + 12
+    assert eng.metrics.num_accepted_tokens_total > 0
+    assert _tokens(on) == off
+    for a, b in zip(on, ref):  # raw logprobs of the emitted tokens, at the verified rows too
+        la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
+        np.testing.assert_allclose([x.logprob for x in la], [x.logprob for x in lb], atol=1e-4)
+        assert [x.top_token_ids for x in la] == [x.top_token_ids for x in lb]
+    # a stop token (maybe in the middle of accepted drafts) ends the request right there
+    stop_at = off[0][10]
+    out = llm.generate([prompts[0]], SamplingParams(**base, stop_token_ids=[stop_at]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == off[0][:off[0].index(stop_at) + 1] and out.finish_reason == "stop"
+    assert eng.scheduler.pool.num_free_pages == eng.num_pages - 1
+
+
+def test_tiny_spec_decode_true_needs_a_method(tiny_llm):
+    with pytest.raises(ValueError, match="speculative_method"):
+        tiny_llm.generate([[5, 6]], SamplingParams(max_tokens=2, spec_decode=True), use_tqdm=False)
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_llama_dir, tiny_draft_dir, tmp_path):
+    from tests.tiny_models import save_tiny_model
+
+    bigger = save_tiny_model("llama", tmp_path / "bigger", seed=2, vocab_size=400)
+    with pytest.raises(ValueError, match="vocab_size=400"):
+        LLM(tiny_llama_dir, **TINY_KW, speculative_method="draft", draft_model=bigger)
+    swapped = shutil.copytree(tiny_draft_dir, tmp_path / "swapped")
+    with open(swapped / "tokenizer.json") as f:
+        tok = json.load(f)
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    with open(swapped / "tokenizer.json", "w") as f:
+        json.dump(tok, f)
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(tiny_llama_dir, **TINY_KW, speculative_method="draft", draft_model=str(swapped))
+
+
+# ------------------------------------------------------------------------------ statistics
+def _next_logits(model, contexts) -> np.ndarray:
+    import torch
+
+    with torch.inference_mode():
+        return model(torch.tensor(contexts)).logits[:, -1].float().numpy()
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_round_fn():
+    """Jitted: one verification step of one draft per row, with the engine's own functions:
+    the draft samples from its real distribution (draft_sample, the draft loop's sampler), the
+    target's logits at the verified rows come from tables, then `sample` + `verify_drafts` (the
+    step's verification). Returns the first emitted token, the drafts and num_accepted."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.runtime.sampler import default_sampling_metadata, sample
+    from jaxinfer.spec_decode import SpecInputs, draft_sample, verify_drafts
+
+    @jax.jit
+    def fn(first_logits, draft_logits, next_table, seeds, position):
+        # first_logits f32[N, V]: target at the context; draft_logits f32[N, V]: draft there;
+        # next_table f32[V, V]: target logits after each possible draft (the bonus row)
+        n = first_logits.shape[0]
+        ones = jnp.ones((n,), jnp.float32)
+        seq_md = default_sampling_metadata(n, temperature=ones, seeds=seeds,
+                                           positions=jnp.full((n,), position, jnp.int32))
+        drafts, q = draft_sample(draft_logits, seq_md, jnp.full((n,), position, jnp.int32))
+        logits = jnp.stack([first_logits, next_table[drafts]], axis=1).reshape(2 * n, -1)
+        rows_md = default_sampling_metadata(
+            2 * n, temperature=jnp.ones((2 * n,), jnp.float32), seeds=jnp.repeat(seeds, 2),
+            positions=jnp.tile(jnp.asarray([position, position + 1], jnp.int32), n))
+        spec = SpecInputs(row_ids=jnp.arange(2 * n, dtype=jnp.int32).reshape(n, 2),
+                          draft_ids=drafts[:, None], num_draft=jnp.ones((n,), jnp.int32),
+                          seq_ids=jnp.arange(n, dtype=jnp.int32),
+                          store_rows=jnp.arange(n, dtype=jnp.int32))
+        out, num_accepted = verify_drafts(logits, rows_md, sample(logits, rows_md), spec, q[:, None])
+        return out.token_ids.reshape(n, 2)[:, 0], drafts, num_accepted
+
+    return fn
+
+
+def _run_rounds(first_logits, draft_logits, next_table, seeds, position, chunk=10_000):
+    import jax.numpy as jnp
+
+    fn, n = _spec_round_fn(), len(seeds)
+    pad = -n % chunk
+    idx = np.concatenate([np.arange(n), np.zeros(pad, np.int64)])
+    outs = [fn(jnp.asarray(first_logits[idx[i:i + chunk]]), jnp.asarray(draft_logits[idx[i:i + chunk]]),
+               jnp.asarray(next_table), jnp.asarray(seeds[idx[i:i + chunk]]), position)
+            for i in range(0, n + pad, chunk)]
+    return [np.concatenate([np.asarray(o[j]) for o in outs])[:n] for j in range(3)]
+
+
+def _chisquare_p(tokens: np.ndarray, expected: np.ndarray) -> float:
+    """Pearson chi-square of token counts against expected counts (bins < 5 expected merged)."""
+    from scipy import stats
+
+    counts = np.bincount(tokens, minlength=expected.shape[0]).astype(np.float64)
+    expected = np.asarray(expected, np.float64)
+    expected = expected * counts.sum() / expected.sum()
+    small = expected < 5
+    counts = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    if expected[-1] == 0:
+        counts, expected = counts[:-1], expected[:-1]
+    expected *= counts.sum() / expected.sum()
+    return float(stats.chisquare(counts, expected).pvalue)
+
+
+def _softmax(x):
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def test_verified_tokens_follow_the_target_distribution(tiny_llama_dir, tiny_draft_dir):
+    """Temperature 1, a different (random) draft model, the real tiny models' logits: the first
+    token a verification emits follows the target's p(.|context) (chi-square over 60,000 draws);
+    so does the token the next verification emits after a rejection, p(.|context, replacement)
+    (chi-square over >= 20,000 rejected rows). The drafts themselves do not (the test's power)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(tiny_draft_dir, torch_dtype=torch.float32).eval()
+    context = [5, 17, 42, 99]
+    vocab = target.config.vocab_size
+    extended = [context + [t] for t in range(vocab)]
+    p0, q0 = _next_logits(target, [context])[0], _next_logits(draft, [context])[0]
+    p1, q1 = _next_logits(target, extended), _next_logits(draft, extended)  # [V, V]
+    n = 3 * NUM_DRAWS
+    seeds = np.arange(n, dtype=np.uint32) + 12345
+    first, drafts, num_accepted = _run_rounds(np.broadcast_to(p0, (n, vocab)),
+                                              np.broadcast_to(q0, (n, vocab)), p1, seeds, len(context))
+    assert _chisquare_p(first, _softmax(p0)) > P_MIN
+    assert _chisquare_p(drafts, _softmax(q0)) > P_MIN  # the draft samples from its own q
+    assert _chisquare_p(drafts, _softmax(p0)) < 1e-6  # ... which the test can tell from p
+    rate = np.minimum(_softmax(p0), _softmax(q0)).sum()  # theory: P(accept) = sum min(p, q)
+    assert abs((num_accepted == 1).mean() - rate) < 5 * np.sqrt(rate * (1 - rate) / n)
+
+    rejected = np.flatnonzero(num_accepted == 0)
+    assert rejected.size >= NUM_DRAWS
+    x = first[rejected]  # the replacement token: the next step's context is (context, x)
+    # the bonus row's logits (after the second draft) do not affect the first emitted token
+    second, _, _ = _run_rounds(p1[x], q1[x], p1, seeds[rejected], len(context) + 1)
+    assert _chisquare_p(second, _softmax(p1[x]).sum(axis=0)) > P_MIN
+
+
+# ------------------------------------------------------------------------------ SmolLM2
+SMOLLM2_KW = dict(num_pages=160, page_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+                  max_model_len=256, enable_prefix_caching=False)  # every prefill: one shape
+CODE = "def add(a, b):\n    return a + b\n"
+SMOLLM2_PROMPTS = [
+    f"Repeat this code exactly:\n{CODE}",
+    f"Rename the function add to plus in:\n{CODE}",
+    "Repeat after me: the quick brown fox jumps over the lazy dog.",
+    "Quote the first sentence: Paris is the capital of France. It is big.",
+    "Write the numbers from 1 to 12 separated by commas.",
+    "What is the capital of Italy?",
+    "Name three colours.",
+    "Say hello in French.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_chat_prompts(smollm2_gguf) -> list[list[int]]:
+    from jaxinfer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_source(smollm2_gguf)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+               for p in SMOLLM2_PROMPTS]
+    assert all(33 <= len(p) <= 64 for p in prompts), [len(p) for p in prompts]  # one T bucket
+    return prompts
+
+
+def _one_at_a_time(llm, prompts, sp) -> list[list[int]]:
+    """Single stream, so every step is a batch of one: few shapes, few compiles."""
+    return [_tokens(llm.generate([p], sp, use_tqdm=False))[0] for p in prompts]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_identical_with_ngram_and_draft_model(smollm2_chat_prompts):
+    sp_on = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    sp_off = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, spec_decode=False)
+    ngram = LLM("smollm2-135m", **SMOLLM2_KW, speculative_method="ngram")
+    expected = _one_at_a_time(ngram, smollm2_chat_prompts, sp_off)
+    assert _one_at_a_time(ngram, smollm2_chat_prompts, sp_on) == expected
+    m = ngram.engine.metrics
+    assert m.num_accepted_tokens_total > 20, m  # the copy prompts get their drafts accepted
+    assert m.num_compilations <= 4, m.num_compilations
+    del ngram
+    draft = LLM("smollm2-135m", **SMOLLM2_KW, speculative_method="draft", draft_model="smollm2-135m")
+    assert _one_at_a_time(draft, smollm2_chat_prompts, sp_on) == expected
+    m = draft.engine.metrics
+    assert m.spec_acceptance_rate > 0.9, m  # its own draft: everything but numerical near-ties
+    assert m.num_compilations <= 3, m.num_compilations
+    assert draft.engine.scheduler.pool.num_free_pages == draft.engine.num_pages - 1
