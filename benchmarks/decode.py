@@ -74,13 +74,14 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     args = ap.parse_args()
 
-    from jaxinfer.models.loader import resolve_model_path
+    from jaxinfer.models.loader import model_source
 
-    source = resolve_model_path(args.model)
+    source = model_source(args.model)
     batch_sizes = [1, args.batch]
     engine_kwargs = dict(max_model_len=512, max_num_seqs=max(batch_sizes), num_pages=1024,
                          attention_backend=args.attention_backend)
     ours = bench_jaxinfer(args.model, batch_sizes, args.new_tokens, engine_kwargs)
+    print("jaxinfer tok/s:", {b: round(v, 1) for b, v in ours.items()}, flush=True)
     hf = {} if args.no_hf else bench_hf(source.path, source.gguf_file, batch_sizes, args.new_tokens)
 
     print(f"\nDecode, {args.model}, greedy, {args.new_tokens} new tokens, float32, CPU={os.cpu_count()} cores")
