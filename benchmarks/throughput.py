@@ -14,7 +14,7 @@ on and off.
 from __future__ import annotations
 
 import argparse
-import gc
+import dataclasses
 import os
 import sys
 import time
@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
+from jaxinfer.sched.scheduler import Scheduler  # noqa: E402
 
 
 def workload(n: int, seed: int, vocab: int, max_prompt: int, mean_out: int, cap_out: int):
@@ -58,11 +59,6 @@ def run_mode(llm: LLM, prompts, params) -> dict:
                 tokens={o.request_id: o.outputs[0].token_ids for o in outs.values()})
 
 
-def warm(llm: LLM, prompts, params) -> None:
-    """Touch the shapes the run will use (compiles happen here, not in the timed run)."""
-    llm.engine.warmup()
-
-
 def prefix_test(llm: LLM, n: int, vocab: int, prefix_len: int = 512, suffix_len: int = 16) -> float:
     rng = np.random.default_rng(7)
     prefix = rng.integers(100, vocab - 100, size=prefix_len).tolist()
@@ -92,30 +88,31 @@ def main() -> None:
                   max_model_len=args.max_prompt + args.cap_out + 16)
     rows = []
     results = {}
+    # One engine (one set of compiled executables) for both modes: static only swaps the scheduler.
+    llm = LLM(args.model, **common)
+    vocab = llm.engine.model_config.vocab_size
+    prompts, params = workload(args.num_requests, 0, vocab, args.max_prompt, args.mean_out,
+                               args.cap_out)
+    t0 = time.perf_counter()
+    llm.engine.warmup()
+    print(f"warm-up {time.perf_counter() - t0:.0f} s, "
+          f"{llm.engine.runner.num_compilations} executables", flush=True)
+    eng = llm.engine
     modes = ["continuous"] if args.skip_static else ["continuous", "static"]
     for mode in modes:
-        llm = LLM(args.model, scheduling=mode, **common)
-        vocab = llm.engine.model_config.vocab_size
-        prompts, params = workload(args.num_requests, 0, vocab, args.max_prompt, args.mean_out,
-                                   args.cap_out)
-        t0 = time.perf_counter()
-        warm(llm, prompts, params)
-        print(f"[{mode}] warm-up {time.perf_counter() - t0:.0f} s, "
-              f"{llm.engine.runner.num_compilations} executables", flush=True)
+        ec = dataclasses.replace(eng.engine_config, scheduling=mode)
+        eng.scheduler = Scheduler(ec, eng.num_pages, eng.max_model_len,
+                                  eng.scheduler.eos_token_ids)
+        eng.num_steps = 0
         r = run_mode(llm, prompts, params)
         results[mode] = r
         rows.append((mode, r))
         print(f"[{mode}] {r['out_tok_s']:.1f} out tok/s in {r['seconds']:.0f} s", flush=True)
-        if mode == "continuous":
-            on = prefix_test(llm, args.prefix_requests, vocab)
-            llm2 = llm  # same compiled engine, cache off via a fresh engine would recompile:
-            # turn prefix caching off on the pool itself for the comparison
-            llm2.engine.scheduler.pool.enable_prefix_caching = False
-            off = prefix_test(llm2, args.prefix_requests, vocab)
-            llm2.engine.scheduler.pool.enable_prefix_caching = True
-            results["prefix"] = (on, off)
-        del llm
-        gc.collect()
+    on = prefix_test(llm, args.prefix_requests, vocab)
+    eng.scheduler.pool.enable_prefix_caching = False
+    off = prefix_test(llm, args.prefix_requests, vocab)
+    eng.scheduler.pool.enable_prefix_caching = True
+    results["prefix"] = (on, off)
 
     print(f"\nThroughput, {args.model}, {args.num_requests} requests, prompts 16-{args.max_prompt}, "
           f"outputs exp(mean {args.mean_out}) cap {args.cap_out}, greedy, CPU={os.cpu_count()} cores")
