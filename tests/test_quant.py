@@ -455,6 +455,8 @@ def test_quantized_checkpoint_round_trip(tiny_model_dirs, tmp_path, source, meth
     assert config == q_model.config
     assert isinstance(restored.layers.self_attn.qkv_proj, QuantizedLinear)
     np.testing.assert_array_equal(_logits(restored, TOKENS), _logits(q_model, TOKENS))
+    _, via_loader = load_model(out)  # what LLM(out) / LLMEngine(out) load
+    assert isinstance(via_loader.layers.mlp.down_proj, QuantizedLinear)
     if not source.endswith("Q4_1"):  # the tiny GGUF files carry a placeholder vocabulary only
         text = "The quick brown fox"
         assert Tokenizer.from_source(out).encode(text) == Tokenizer.from_source(

@@ -148,6 +148,10 @@ def load_model(path_or_name: str | os.PathLike,
     if engine_config.load_format == "dummy":
         config = load_model_config(path_or_name)
         return config, _quantized(init_dummy_model(config, dtype, engine_config.seed), engine_config)
+    from jaxinfer import quant_checkpoint
+
+    if quant_checkpoint.is_quantized_checkpoint(path_or_name):  # `jaxinfer quantize` output
+        return quant_checkpoint.load_quantized(path_or_name)
     source = model_source(path_or_name)
     if source.is_gguf:
         from jaxinfer.models.gguf_file import GGUFTensors, open_gguf
