@@ -15,6 +15,7 @@ import pytest
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.request import Request
 from jaxinfer.sched.spec_policy import PROBE_INTERVAL, SpecPolicy
+from jaxinfer.sched.step_input import make_step_input
 from tests.sched.fake_runner import Harness, fake_next_token, make_request, solo_outputs
 
 # A budget that prefills a whole batch in one step keeps its sequences in lockstep, and no prefix
@@ -513,3 +514,35 @@ def test_smollm2_greedy_identical_with_ngram_and_draft_model(smollm2_chat_prompt
     assert m.spec_acceptance_rate > 0.9, m  # its own draft: everything but numerical near-ties
     assert m.num_compilations <= 3, m.num_compilations
     assert draft.engine.scheduler.pool.num_free_pages == draft.engine.num_pages - 1
+
+
+def test_warmup_covers_the_verifying_layouts():
+    """Warm-up inputs include every layout a speculating engine's steps take (host only)."""
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.sched.step_input import StepBuckets, warmup_step_inputs
+
+    ec = EngineConfig(page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                      speculative_method="ngram", num_speculative_tokens=3)
+    buckets = StepBuckets.coarse(ec, 32)
+    warm = {si.pack()[1] for si in warmup_step_inputs(ec, 32, buckets=buckets)}
+    h = Harness(num_pages=40, max_model_len=32, page_size=4, max_num_seqs=4,
+                max_num_batched_tokens=16, speculative_method="ngram", num_speculative_tokens=3,
+                coarse_buckets=True)
+    h.sched.spec_policy = SpecPolicy(3, max_batched_tokens=1000, min_accept_prob=0.0)
+    h.runner = FakeVerifier(40, 4)
+    rng = random.Random(0)
+    for i in range(6):
+        req = h.add(make_request(f"r{i}", [rng.randint(2, 63) for _ in range(rng.randint(1, 9))],
+                                 max_tokens=10, ignore_eos=True))
+        req.spec_enabled = True
+    seen = set()
+    while h.sched.has_unfinished_requests():
+        for req in h.sched.running:
+            if req.num_tokens - req.num_computed_tokens == 1:
+                req.spec_token_ids = [rng.randint(2, 63) for _ in range(rng.randint(0, 3))]
+        out = h.sched.schedule()
+        si = make_step_input(out, h.config, 32, buckets=h.buckets)
+        seen.add(si.pack()[1])
+        h.sched.update(out, h.runner.execute(si, out))
+    assert any(any(f.name == "spec_row_ids" for f in layout) for layout in seen)
+    assert seen <= warm, seen - warm

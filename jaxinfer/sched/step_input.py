@@ -317,13 +317,26 @@ def empty_step_input(num_tokens: int, num_seqs: int, pages_per_seq: int, page_si
 
 def warmup_step_inputs(engine_config: EngineConfig, max_model_len: int, *,
                        buckets: StepBuckets | None = None) -> Iterator[StepInput]:
-    """One all-padding StepInput per shape bucket (compiling each touches only the null page)."""
+    """One all-padding StepInput per shape bucket (compiling each touches only the null page);
+    with speculation also each verifying layout (R = S, and R = T where T > S)."""
     buckets = buckets or StepBuckets.from_config(engine_config, max_model_len)
+    method, k = engine_config.speculative_method, engine_config.num_speculative_tokens
     for shape in buckets.all_shapes():
-        si = empty_step_input(*shape, buckets.page_size)
-        if engine_config.speculative_method == "draft":
-            _fill_draft(si, [], _Rows([]), engine_config.max_num_seqs)
-        yield si
+        num_tokens, num_seqs = shape[:2]
+        variants = [None]
+        if method is not None and num_tokens >= k + 1:
+            variants += sorted({num_seqs, num_tokens})
+        for num_rows in variants:
+            si = empty_step_input(*shape, buckets.page_size, num_rows=num_rows)
+            if num_rows is not None:  # nothing to verify: every spec row is padding
+                si.spec_row_ids = np.full((num_seqs, k + 1), num_rows, np.int32)
+                si.spec_draft_ids = np.full((num_seqs, k), -1, np.int32)
+                si.spec_num_draft = np.zeros(num_seqs, np.int32)
+                si.spec_seq_ids = np.full(num_seqs, num_seqs, np.int32)
+                si.spec_store_rows = np.zeros(num_seqs, np.int32)
+            if method == "draft":
+                _fill_draft(si, [], _Rows([]), engine_config.max_num_seqs)
+            yield si
 
 
 def _fill_attention(si: StepInput, sched_out: SchedulerOutput, page_size: int) -> None:
