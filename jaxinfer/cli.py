@@ -20,6 +20,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--attention-backend", default=None, choices=["auto", "xla", "pallas"])
     g.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    g.add_argument("--quant-group-size", type=int, default=None, choices=[32, 64, 128],
+                   help="int4 group size (default 32)")
+    g.add_argument("--quantize-lm-head", action="store_true", default=None,
+                   help="also quantize the LM head / tied embeddings (int8)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--scheduling", default=None, choices=["continuous", "static"])
     g.add_argument("--load-format", default=None, choices=["auto", "dummy"])
@@ -27,7 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["page_size", "num_pages", "kv_memory_fraction", "max_num_seqs", "max_num_batched_tokens",
-            "max_model_len", "dtype", "attention_backend", "quantization", "scheduling", "load_format"]
+            "max_model_len", "dtype", "attention_backend", "quantization", "quant_group_size",
+            "quantize_lm_head", "scheduling", "load_format"]
     kw = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "no_prefix_caching", False):
         kw["enable_prefix_caching"] = False
