@@ -92,17 +92,12 @@ def load_preset(path: str) -> dict:
 
 
 def engine_settings(args: argparse.Namespace) -> dict:
-    """Preset (if any) overridden by the engine flags that differ from their defaults."""
-    from jaxinfer.cli import add_engine_args, engine_kwargs
+    """Preset (if any) overridden by the engine flags given (every engine flag defaults to None,
+    so only flags on the command line appear in `engine_kwargs`)."""
+    from jaxinfer.cli import engine_kwargs
 
     settings = load_preset(args.config) if getattr(args, "config", None) else {}
-    defaults_parser = argparse.ArgumentParser(add_help=False)
-    add_engine_args(defaults_parser)
-    defaults = engine_kwargs(defaults_parser.parse_args([]))
-    given = engine_kwargs(args)
-    for key, value in given.items():
-        if key not in settings or defaults.get(key, object()) != value:
-            settings[key] = value
+    settings.update(engine_kwargs(args))
     return settings
 
 

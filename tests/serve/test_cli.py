@@ -37,8 +37,9 @@ def test_preset_then_flags(tmp_path):
     assert settings == {"page_size": 32, "max_num_seqs": 8, "enable_prefix_caching": False}
     top_level = tmp_path / "q.toml"
     top_level.write_text("max_model_len = 512\n")
-    assert cli.engine_settings(parse("--config", str(top_level))) == {"page_size": 16,
-                                                                       "max_model_len": 512}
+    assert cli.engine_settings(parse("--config", str(top_level))) == {"max_model_len": 512}
+    # an explicit flag equal to the EngineConfig default still overrides the preset
+    assert cli.engine_settings(parse("--config", str(preset), "--page-size", "16"))["page_size"] == 16
 
 
 def test_preset_errors_name_the_problem(tmp_path):
