@@ -4,6 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 MODEL ?= smollm2-135m
 ARGS ?=
+# Engine preset: the GPU one where an NVIDIA driver is present, else the CPU one.
+CONFIG ?= $(if $(shell command -v nvidia-smi 2>/dev/null),configs/gpu.toml,configs/cpu.toml)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +22,7 @@ $(VENV)/.test-deps: pyproject.toml $(VENV)/.run-deps
 
 .PHONY: serve generate test bench-decode clean
 serve: $(VENV)/.run-deps  ## the OpenAI server on the default model, 127.0.0.1:8000
-	$(BIN)/jaxinfer serve $(MODEL) $(ARGS)
+	$(BIN)/jaxinfer serve $(MODEL) --config $(CONFIG) $(ARGS)
 
 generate: $(VENV)/.run-deps
 	$(BIN)/jaxinfer generate --model $(MODEL) --chat --prompt "What is the capital of France?" $(ARGS)
