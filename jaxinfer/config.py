@@ -296,7 +296,9 @@ class EngineConfig:
     ngram_max: int = 4
     draft_model: str | None = None  # "draft": a model sharing the target's tokenizer
     draft_quantization: str | None = None  # None | int8 | int4 (weights of the draft)
-    spec_max_batched_tokens: int = 64  # decode + draft tokens a step may verify (see the policy)
+    # decode + draft tokens a step may verify (sched/spec_policy.py); None: measured by warmup()
+    # (the largest step whose time stays within 1.5x a one-token step), 64 until then
+    spec_max_batched_tokens: int | None = None
     spec_min_accept_prob: float = 0.3  # the j-th draft is proposed while alpha**j >= this
 
     def __post_init__(self):
@@ -337,7 +339,7 @@ class EngineConfig:
             raise ValueError("speculative_method='draft' needs draft_model (a path or model name)")
         if self.draft_quantization not in (None, "int8", "int4"):
             raise ValueError(f"draft_quantization={self.draft_quantization!r} must be None, int8 or int4")
-        if self.spec_max_batched_tokens < 0:
+        if self.spec_max_batched_tokens is not None and self.spec_max_batched_tokens < 0:
             raise ValueError(f"spec_max_batched_tokens={self.spec_max_batched_tokens} must be >= 0")
         if not 0.0 <= self.spec_min_accept_prob <= 1.0:
             raise ValueError(f"spec_min_accept_prob={self.spec_min_accept_prob} must be in [0, 1]")

@@ -232,6 +232,27 @@ class LLMEngine:
             self.runner.execute(step_input)
         logger.info("warm-up: %d executables in %.1f s", self.runner.num_compilations,
                     time.perf_counter() - t0)
+        if self.spec_policy is not None and self.engine_config.spec_max_batched_tokens is None:
+            self.calibrate_speculation()
+
+    def calibrate_speculation(self) -> int:
+        """Times one (compiled) all-padding step per token bucket and sets the policy's budget of
+        decode + draft tokens per step to the device's knee (sched/spec_policy.py, rule 2)."""
+        seconds: dict[int, float] = {}
+        for si in warmup_step_inputs(self.engine_config, self.max_model_len, buckets=self.buckets):
+            if si.spec_row_ids is not None:
+                continue
+            self.runner.execute(si)  # compiled, and caches warm
+            t0 = time.perf_counter()
+            self.runner.execute(si)
+            num_tokens = si.shape[0]
+            seconds[num_tokens] = max(seconds.get(num_tokens, 0.0), time.perf_counter() - t0)
+        budget = SpecPolicy.calibrated_max_batched_tokens(seconds)
+        self.spec_policy = dataclasses.replace(self.spec_policy, max_batched_tokens=budget)
+        self.scheduler.spec_policy = self.spec_policy
+        logger.info("speculation: up to %d decode + draft tokens per step (step seconds %s)",
+                    budget, {t: round(s, 4) for t, s in sorted(seconds.items())})
+        return budget
 
     @property
     def metrics(self) -> EngineMetrics:

@@ -83,6 +83,9 @@ def test_spec_policy_adapts_k_to_acceptance_and_batch():
     assert [policy.num_drafts(req, n) for n in (8, 16, 21, 32, 33, 64)] == [4, 3, 2, 1, 0, 0]
     assert policy.num_drafts(_req(spec_enabled=False), 1) == 0
     assert policy.num_drafts_for_acceptance(0.6) == 2 and policy.num_drafts_for_acceptance(0.2) == 0
+    # the batch budget from measured step times: the largest step within 1.5x a one-token step
+    assert SpecPolicy.calibrated_max_batched_tokens({1: .05, 2: .06, 4: .07, 8: .1, 16: .2}) == 4
+    assert SpecPolicy.calibrated_max_batched_tokens({1: .01, 8: .01, 64: .012, 256: .03}) == 64
 
 
 def test_check_draft_compatible():
@@ -506,13 +509,13 @@ def test_smollm2_greedy_identical_with_ngram_and_draft_model(smollm2_chat_prompt
     assert _one_at_a_time(ngram, smollm2_chat_prompts, sp_on) == expected
     m = ngram.engine.metrics
     assert m.num_accepted_tokens_total > 20, m  # the copy prompts get their drafts accepted
-    assert m.num_compilations <= 4, m.num_compilations
+    assert m.num_compilations <= 5, m.num_compilations  # prefill, decode, verify T = 2, 4, 8
     del ngram
     draft = LLM("smollm2-135m", **SMOLLM2_KW, speculative_method="draft", draft_model="smollm2-135m")
     assert _one_at_a_time(draft, smollm2_chat_prompts, sp_on) == expected
     m = draft.engine.metrics
     assert m.spec_acceptance_rate > 0.9, m  # its own draft: everything but numerical near-ties
-    assert m.num_compilations <= 3, m.num_compilations
+    assert m.num_compilations <= 5, m.num_compilations
     assert draft.engine.scheduler.pool.num_free_pages == draft.engine.num_pages - 1
 
 

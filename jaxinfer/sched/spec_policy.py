@@ -17,9 +17,13 @@ limit and max_tokens:
 2. Per batch: verification is nearly free while a step is latency-bound (small batches) and costs
    full price once it is compute-bound. A step verifies at most `spec_max_batched_tokens` decode
    plus draft tokens, shared evenly among the n requests running or waiting:
-   k <= spec_max_batched_tokens // n - 1. At 64 (the default): n <= 12 -> k = 4, 16 -> 3,
-   21 -> 2, 32 -> 1, n > 32 -> speculation off. (Measure the knee on your device and set it:
-   an H200 stays latency-bound to a few hundred tokens per step for a small model.)
+   k <= spec_max_batched_tokens // n - 1. At 64: n <= 12 -> k = 4, 16 -> 3, 21 -> 2, 32 -> 1,
+   n > 32 -> speculation off. The budget is the device's knee: `LLMEngine.warmup()` times a step
+   of each token bucket and, unless spec_max_batched_tokens is set, takes the largest one whose
+   time stays within KNEE_SLOWDOWN (1.5x) of a one-token step (64 until then). On the 2-core CPU
+   this is measured on, a step of 8 tokens already costs ~1.5-2x a step of 1, so the budget
+   comes out ~4-8 (single streams speculate, batches do not); a GPU stays latency-bound to
+   hundreds of tokens per step for a small model.
 
 Requests opt in or out with `SamplingParams.spec_decode` (None: the engine's default, which is on
 when a speculative method is configured).
@@ -34,6 +38,8 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.request import Request
 
 DECAY = 0.8  # weight of the past per verification step (~5 steps of memory)
+DEFAULT_MAX_BATCHED_TOKENS = 64  # rule 2's budget until `calibrated_max_batched_tokens` measures it
+KNEE_SLOWDOWN = 1.5  # rule 2's budget: the largest step no slower than this x a one-token step
 # The prior, alpha = 0.75 before any verification (decays away like any observation), lives in
 # Request's defaults: spec_accept_num = 3.0, spec_accept_den = 4.0.
 PROBE_INTERVAL = 8  # decode steps between one-draft probes of a request at k = 0
@@ -50,8 +56,9 @@ class SpecPolicy:
     def from_config(cls, ec: EngineConfig) -> "SpecPolicy | None":
         if ec.speculative_method is None:
             return None
+        budget = ec.spec_max_batched_tokens
         return cls(num_speculative_tokens=ec.num_speculative_tokens,
-                   max_batched_tokens=ec.spec_max_batched_tokens,
+                   max_batched_tokens=DEFAULT_MAX_BATCHED_TOKENS if budget is None else budget,
                    min_accept_prob=ec.spec_min_accept_prob,
                    draft_lookahead=ec.speculative_method == "draft")
 
@@ -78,6 +85,13 @@ class SpecPolicy:
         req.spec_accept_num = DECAY * req.spec_accept_num + num_accepted
         req.spec_accept_den = DECAY * req.spec_accept_den + trials
         req.spec_idle_steps = 0
+
+    @staticmethod
+    def calibrated_max_batched_tokens(step_seconds: dict[int, float]) -> int:
+        """Rule 2's budget from measured step times {tokens per step: seconds}: the largest step
+        whose time stays within KNEE_SLOWDOWN x the smallest step's (latency-bound up to there)."""
+        base = step_seconds[min(step_seconds)]
+        return max(t for t, s in step_seconds.items() if s <= KNEE_SLOWDOWN * base)
 
     # -- both rules -------------------------------------------------------------------------
     def max_drafts_for_batch(self, num_requests: int) -> int:

@@ -11,7 +11,8 @@ row is computed and ignored by `Scheduler.update`).
 
 Speculative decoding: a verifying sequence (1 + k new tokens: its last token, then k drafts) has
 k + 1 rows, one per new token, so R = the total number of rows, padded to S if they fit, else to
-T (a step that verifies pads T to at least K + 1, so any k <= K gives one shape). Per-row sampling
+T. (T is not padded up to K + 1: where the device's step time grows with T, as on a CPU, a request
+whose policy verifies fewer drafts then pays for fewer tokens.) Per-row sampling
 arrays are those of the row's request *as if the drafts before it were accepted* (its position,
 its output history for penalties, its min_tokens ban). The optional spec_* arrays (Sv = S rows,
 K = num_speculative_tokens columns) tell the step which rows to verify against which drafts; the
@@ -246,11 +247,7 @@ def make_step_input(sched_out: SchedulerOutput, engine_config: EngineConfig, max
     items = sched_out.scheduled
     pages_per_seq = max((len(it.request.page_ids) for it in items), default=1)  # P bucket >= this
     rows = _Rows(items)
-    num_tokens = sched_out.num_batched_tokens
-    if rows.num_rows != len(items):  # verification: one T for any k (few executables)
-        num_tokens = max(num_tokens, min(engine_config.num_speculative_tokens + 1,
-                                         buckets.token_buckets[-1]))
-    shape = buckets.pick(num_tokens, len(items), pages_per_seq)
+    shape = buckets.pick(sched_out.num_batched_tokens, len(items), pages_per_seq)
     num_rows = shape[1] if rows.num_rows <= shape[1] else shape[0]  # R: S, or T when rows > S
     si = empty_step_input(*shape, buckets.page_size, num_rows=num_rows)
     _fill_attention(si, sched_out, buckets.page_size)
@@ -324,7 +321,7 @@ def warmup_step_inputs(engine_config: EngineConfig, max_model_len: int, *,
     for shape in buckets.all_shapes():
         num_tokens, num_seqs = shape[:2]
         variants = [None]
-        if method is not None and num_tokens >= k + 1:
+        if method is not None and num_tokens >= 2:
             variants += sorted({num_seqs, num_tokens})
         for num_rows in variants:
             si = empty_step_input(*shape, buckets.page_size, num_rows=num_rows)
