@@ -10,7 +10,8 @@ tokens/s, acceptance rate and mean accepted length (tokens per verification step
 the greedy output is identical. Batches of 8 and `--batch` requests at once (the same prompts,
 repeated): throughput with the adaptive policy (speculation shrinks, then switches off, as the
 batch grows: sched/spec_policy.py) vs speculation off, and vs speculation forced on at any size
-(the policy's batch rule off). Every shape is compiled before the timed runs (untimed passes
+(the policy's batch rule off), and with the uncalibrated budget of 64 tokens per step. `warmup()`
+compiles every shape and calibrates the policy's batch budget on this device. Every shape is compiled before the timed runs (untimed passes
 first); configurations run interleaved `--reps` times and the fastest run of each counts, since
 the machine is shared.
 """
@@ -141,20 +142,23 @@ def main() -> None:
     rows, identical = [], True
 
     llm = LLM(args.model, speculative_method="ngram", **common)
-    default_policy = llm.engine.spec_policy
-    adaptive = lambda: set_policy(llm, max_batched_tokens=default_policy.max_batched_tokens)  # noqa: E731
-    forced = lambda: set_policy(llm, max_batched_tokens=10**6)  # noqa: E731  batch rule off
     workloads = {"copy": [chat_ids(llm, p) for p in COPY_PROMPTS],
                  "free": [chat_ids(llm, p) for p in FREE_PROMPTS]}
     t0 = time.perf_counter()
-    warm(llm, workloads["copy"] + workloads["free"], [sp_off, sp_on])
+    llm.engine.warmup()  # every shape, then the policy's batch budget from measured step times
+    budget = llm.engine.spec_policy.max_batched_tokens
     print(f"warm-up {time.perf_counter() - t0:.0f} s, {llm.engine.metrics.num_compilations} "
-          "executables", flush=True)
+          f"executables; calibrated budget: {budget} decode + draft tokens per step", flush=True)
+    warm(llm, workloads["copy"] + workloads["free"], [sp_off, sp_on])
+    adaptive = lambda: set_policy(llm, max_batched_tokens=budget)  # noqa: E731
+    default = lambda: set_policy(llm, max_batched_tokens=64)  # noqa: E731  uncalibrated default
+    forced = lambda: set_policy(llm, max_batched_tokens=10**6)  # noqa: E731  batch rule off
     single = {}
     for name, prompts in workloads.items():
         best = best_of(args.reps, {
             "off": (adaptive, lambda: run_single(llm, prompts, sp_off)),
-            "ngram": (adaptive, lambda: run_single(llm, prompts, sp_on)),
+            "ngram adaptive": (adaptive, lambda: run_single(llm, prompts, sp_on)),
+            "ngram budget 64": (default, lambda: run_single(llm, prompts, sp_on)),
         })
         single[name] = best["off"]
         for mode, r in best.items():
@@ -170,12 +174,14 @@ def main() -> None:
     sp_b_on = SamplingParams(max_tokens=args.batch_max_tokens, temperature=0, ignore_eos=True)
     for batch in sorted({len(all_prompts), args.batch}):
         prompts = [all_prompts[i % len(all_prompts)] for i in range(batch)]
-        for setup, sp in ((adaptive, sp_b_off), (adaptive, sp_b_on), (forced, sp_b_on)):
+        for setup, sp in ((adaptive, sp_b_off), (adaptive, sp_b_on), (default, sp_b_on),
+                          (forced, sp_b_on)):
             setup()
-            run_batch(llm, prompts, sp)  # compiles, untimed
+            run_batch(llm, prompts, sp)  # untimed: caches warm
         best = best_of(args.reps, {
             "off": (adaptive, lambda: run_batch(llm, prompts, sp_b_off)),
             "ngram adaptive": (adaptive, lambda: run_batch(llm, prompts, sp_b_on)),
+            "ngram budget 64": (default, lambda: run_batch(llm, prompts, sp_b_on)),
             "ngram forced": (forced, lambda: run_batch(llm, prompts, sp_b_on)),
         })
         for mode, r in best.items():
@@ -201,7 +207,8 @@ def main() -> None:
 
     print(f"\nSpeculative decoding, {args.model}, greedy, chat template, k={args.k}, "
           f"single stream {args.max_tokens} tokens/prompt (stops at EOS), batches x "
-          f"{args.batch_max_tokens} tokens, best of {args.reps}, CPU={os.cpu_count()} cores")
+          f"{args.batch_max_tokens} tokens, best of {args.reps}, CPU={os.cpu_count()} cores; "
+          f"adaptive = calibrated batch budget {budget} tokens/step")
     print(f"{'workload':>14} | {'speculation':>15} | {'tok/s':>7} | {'ratio':>6} | {'accept':>6} | "
           f"{'mean len':>8} | {'drafts':>6} | same")
     print("-" * 92)
