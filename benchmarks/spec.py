@@ -1,6 +1,7 @@
 """Speculative decoding: tokens/s with and without it, single stream and at batch 64.
 
-    python benchmarks/spec.py [--model smollm2-135m] [--max-tokens 64] [--batch 64] [--reps 2] [--draft]
+    python benchmarks/spec.py [--model smollm2-135m] [--max-tokens 64] [--batch 64] [--reps 2]
+                              [--draft [PATH]]
 
 Single stream (one request at a time, greedy, SmolLM2's chat template): copy-heavy prompts (repeat
 or edit a given code block, answer with quotes from a given text) and free-form prompts, each run
@@ -9,11 +10,11 @@ model, by default the target itself, which shows the machinery, not a speed-up).
 tokens/s, acceptance rate and mean accepted length (tokens per verification step), and checks
 the greedy output is identical. Batches of 8 and `--batch` requests at once (the same prompts,
 repeated): throughput with the adaptive policy (speculation shrinks, then switches off, as the
-batch grows: sched/spec_policy.py) vs speculation off, and vs speculation forced on at any size
-(the policy's batch rule off), and with the uncalibrated budget of 64 tokens per step. `warmup()`
-compiles every shape and calibrates the policy's batch budget on this device. Every shape is compiled before the timed runs (untimed passes
-first); configurations run interleaved `--reps` times and the fastest run of each counts, since
-the machine is shared.
+batch grows: sched/spec_policy.py) vs speculation off, vs speculation forced on at any size (the
+policy's batch rule off), and with the uncalibrated budget of 64 tokens per step. `warmup()`
+compiles every shape and calibrates the policy's batch budget on this device; untimed passes
+warm the caches; configurations run interleaved `--reps` times and the fastest run of each
+counts, since the machine is shared.
 """
 
 from __future__ import annotations
