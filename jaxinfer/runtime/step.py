@@ -96,6 +96,17 @@ def unpack_spec(buf: jax.Array, layout: PackedLayout) -> tuple[SpecInputs | None
     return spec, draft
 
 
+def _forward_and_sample(graphdef, state, kv_cache, buf, want_top_logprobs, layout, flags):
+    """The target's forward over the packed batch, its logits at the sampled rows, and a sample."""
+    model = nnx.merge(graphdef, state)
+    input_ids, positions, md, logits_indices, sampling = unpack_step(buf, layout)
+    hidden, kv_cache = model(input_ids, positions, kv_cache, md,
+                             attention_backend=flags.attention_backend)  # hidden: [T, H]
+    logits = model.compute_logits(hidden[logits_indices])  # f32[R, V]
+    out = sample_any(logits, sampling, want_top_logprobs)
+    return logits, sampling, md, out, kv_cache
+
+
 def step_fn(
     graphdef: nnx.GraphDef,
     state: nnx.State,
@@ -105,12 +116,8 @@ def step_fn(
     layout: PackedLayout,
     flags: StepFlags,
 ) -> tuple[SamplerOutput, KVCache]:
-    model = nnx.merge(graphdef, state)
-    input_ids, positions, md, logits_indices, sampling = unpack_step(buf, layout)
-    hidden, kv_cache = model(input_ids, positions, kv_cache, md,
-                             attention_backend=flags.attention_backend)  # hidden: [T, H]
-    logits = model.compute_logits(hidden[logits_indices])  # f32[R, V]
-    out = sample_any(logits, sampling, want_top_logprobs)
+    logits, sampling, md, out, kv_cache = _forward_and_sample(
+        graphdef, state, kv_cache, buf, want_top_logprobs, layout, flags)
     spec, _ = unpack_spec(buf, layout)
     if spec is not None:  # speculative verification (n-gram drafts: q one-hot)
         out, _ = verify_drafts(logits, sampling, out, spec)
@@ -122,12 +129,9 @@ def draft_step_fn(graphdef, draft_graphdef, state, kv_cache, draft_state, draft_
     """`step_fn` plus a draft model: verify last step's drafts, run the draft over the batch and
     propose the next drafts, in one call. -> ((SamplerOutput, drafts i32[S, K]), kv_cache,
     draft_kv, q_store)."""
-    model = nnx.merge(graphdef, state)
-    input_ids, positions, md, logits_indices, sampling = unpack_step(buf, layout)
-    hidden, kv_cache = model(input_ids, positions, kv_cache, md,
-                             attention_backend=flags.attention_backend)  # hidden: [T, H]
-    logits = model.compute_logits(hidden[logits_indices])  # f32[R, V]
-    out = sample_any(logits, sampling, want_top_logprobs)
+    logits, sampling, md, out, kv_cache = _forward_and_sample(
+        graphdef, state, kv_cache, buf, want_top_logprobs, layout, flags)
+    input_ids, positions = unpack_step(buf, layout)[:2]  # slices of buf: deduplicated by XLA
     spec, draft = unpack_spec(buf, layout)
     num_accepted = jnp.zeros(md.kv_lens.shape, jnp.int32)  # i32[S]
     if spec is not None:
