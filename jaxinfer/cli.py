@@ -18,6 +18,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16", "float16", "int8"],
+                   help="KV cache dtype (default: --dtype); int8 halves KV memory vs bfloat16")
     g.add_argument("--attention-backend", default=None, choices=["auto", "xla", "pallas"])
     g.add_argument("--quantization", default=None, choices=["int8", "int4"])
     g.add_argument("--quant-group-size", type=int, default=None, choices=[32, 64, 128],
@@ -34,8 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["page_size", "num_pages", "kv_memory_fraction", "max_num_seqs", "max_num_batched_tokens",
-            "max_model_len", "dtype", "attention_backend", "quantization", "quant_group_size",
-            "quantize_lm_head", "scheduling", "load_format", "speculative_method",
+            "max_model_len", "dtype", "kv_cache_dtype", "attention_backend", "quantization",
+            "quant_group_size", "quantize_lm_head", "scheduling", "load_format", "speculative_method",
             "num_speculative_tokens", "draft_model"]
     kw = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "no_prefix_caching", False):

@@ -280,7 +280,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     dtype: str = "float32"  # activations/weights compute dtype: float32 | bfloat16
-    kv_cache_dtype: str | None = None  # None: same as dtype
+    kv_cache_dtype: str | None = None  # None: same as dtype; int8: per-token scales (~half of bf16)
     attention_backend: str = "auto"  # auto | xla | pallas
     enable_prefix_caching: bool = True
     scheduling: str = "continuous"  # continuous | static
@@ -314,6 +314,9 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
+        if self.kv_cache_dtype not in (None, "float32", "bfloat16", "float16", "int8"):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be None, float32, "
+                             "bfloat16, float16 or int8")
         if self.attention_backend not in ("auto", "xla", "pallas"):
             raise ValueError(f"attention_backend={self.attention_backend!r} must be auto, xla or pallas")
         if self.scheduling not in ("continuous", "static"):

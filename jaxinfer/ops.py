@@ -21,6 +21,11 @@ The XLA path ("query tiles x KV chunks", flash-attention written in jnp):
   page table fits one chunk there is no loop at all, which is the common decode case.
 * Masked scores are set with `where` (never multiplied), and V rows past a sequence's length are
   zeroed, so garbage (even NaN) in unused slots or the null page cannot leak into the output.
+* int8 caches (`KVCache.k_scale`/`v_scale`, f32[L, N, ps, Hkv], one scale per token and head):
+  `write_kv` quantizes each new token's K/V per head (symmetric absmax / 127); the fold loop
+  gathers the chunk's scales with its pages and dequantizes only that chunk: the int8 values are
+  cast to the compute dtype exactly, and the scales multiply whichever is smaller, the logits or
+  K (resp. the probabilities or V), as in the Pallas kernel. The whole cache is never dequantized.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.runtime.kv_cache import AttentionMetadata, KVCache
+from jaxinfer.runtime.kv_cache import AttentionMetadata, KVCache, quantize_kv
 
 BACKENDS = ("auto", "xla", "pallas")
 _ELEMENT_BUDGET = 1 << 25  # max elements of one gathered K (or V) chunk and of one score block
@@ -43,27 +48,40 @@ _MAX_CHUNK_TOKENS = 128  # KV positions per online-softmax step: the loop then o
 def write_kv(cache: KVCache, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:
     """Write this step's K/V at [layer, slot // page_size, slot % page_size] (in place under donation).
 
-    layer: i32[] (may be traced); k, v: [T, Hkv, D]; slot_mapping: i32[T].
+    layer: i32[] (may be traced); k, v: [T, Hkv, D]; slot_mapping: i32[T]. An int8 cache gets each
+    token's K/V quantized per head, and its scales written at the same [layer, page, offset].
     """
     page_size = cache.k.shape[2]
     page_ids = slot_mapping // page_size  # i32[T]
     offsets = slot_mapping % page_size  # i32[T]
+    if cache.k_scale is None:
+        return KVCache(
+            k=cache.k.at[layer, page_ids, offsets].set(k.astype(cache.k.dtype)),
+            v=cache.v.at[layer, page_ids, offsets].set(v.astype(cache.v.dtype)),
+        )
+    (k_q, k_s), (v_q, v_s) = quantize_kv(k), quantize_kv(v)  # int8[T, Hkv, D], f32[T, Hkv]
     return KVCache(
-        k=cache.k.at[layer, page_ids, offsets].set(k.astype(cache.k.dtype)),
-        v=cache.v.at[layer, page_ids, offsets].set(v.astype(cache.v.dtype)),
+        k=cache.k.at[layer, page_ids, offsets].set(k_q),
+        v=cache.v.at[layer, page_ids, offsets].set(v_q),
+        k_scale=cache.k_scale.at[layer, page_ids, offsets].set(k_s.astype(cache.k_scale.dtype)),
+        v_scale=cache.v_scale.at[layer, page_ids, offsets].set(v_s.astype(cache.v_scale.dtype)),
     )
 
 
 def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           backend: str = "auto") -> jax.Array:
+                           backend: str = "auto", k_scale=None, v_scale=None) -> jax.Array:
     """Causal attention of a flat ragged batch of new tokens over the paged cache.
 
     q: [T, Hq, D]; k_cache, v_cache: [L, N, ps, Hkv, D]; layer: i32[]; returns [T, Hq, D] in q.dtype.
+    k_scale, v_scale: f32[L, N, ps, Hkv] with int8 caches (KVCache.k_scale/v_scale), else None.
     Rows of padding tokens (past cu_q_lens[-1]) are zero.
     """
     if backend not in BACKENDS:
         raise ValueError(f"{backend=} must be one of {BACKENDS}")
+    if (k_scale is None) != (v_scale is None) or (k_scale is None) != (k_cache.dtype != jnp.int8):
+        raise ValueError(f"{k_cache.dtype=}: k_scale and v_scale must be given exactly for int8 "
+                         f"caches ({k_scale is None=}, {v_scale is None=})")
     if backend == "auto":
         backend = "pallas" if jax.default_backend() == "gpu" else "xla"
     if backend == "pallas":
@@ -72,12 +90,13 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
 
             return kernel(q, k_cache, v_cache, layer, md, sm_scale=sm_scale,
                           sliding_window=sliding_window, soft_cap=soft_cap,
-                          interpret=jax.default_backend() != "gpu")
+                          interpret=jax.default_backend() != "gpu", k_scale=k_scale, v_scale=v_scale)
         except (ImportError, NotImplementedError) as e:
             warnings.warn(f"pallas ragged_paged_attention unavailable ({e!r}); using the XLA path",
                           stacklevel=2)
     return ragged_paged_attention_xla(q, k_cache, v_cache, layer, md, sm_scale=sm_scale,
-                                      sliding_window=sliding_window, soft_cap=soft_cap)
+                                      sliding_window=sliding_window, soft_cap=soft_cap,
+                                      k_scale=k_scale, v_scale=v_scale)
 
 
 def _pow2_floor(x: int) -> int:
@@ -100,8 +119,12 @@ def kv_chunk_pages(num_tiles: int, q_tile: int, num_heads: int, num_kv_heads: in
 
 
 def ragged_paged_attention_xla(q, k_cache, v_cache, layer, md: AttentionMetadata, *, sm_scale,
-                               sliding_window=None, soft_cap=None) -> jax.Array:
-    """The plain-jnp implementation (see the module docstring for the algorithm)."""
+                               sliding_window=None, soft_cap=None, k_scale=None,
+                               v_scale=None) -> jax.Array:
+    """The plain-jnp implementation (see the module docstring for the algorithm).
+
+    k_scale, v_scale: f32[L, N, ps, Hkv] with int8 caches (dequantized chunk by chunk), else None.
+    """
     num_tokens, num_heads, head_dim = q.shape  # T, Hq, D
     _, _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs, pages_per_seq = md.page_indices.shape  # S, P
@@ -147,6 +170,8 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, layer, md: AttentionMetadata
 
     num_rows = group * q_tile
     acc_shape = (num_tiles, num_kv_heads, num_rows)
+    quantized = k_scale is not None
+    scale_logits = num_rows <= head_dim  # int8: scale the [rows, C] logits/probs, else K/V [C, D]
 
     def fold_chunk(chunk, carry):
         m, l, acc = carry  # f32[NT, Hkv, rows], f32[NT, Hkv, rows], f32[NT, Hkv, rows, D]
@@ -154,9 +179,22 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, layer, md: AttentionMetadata
         k = k_cache[layer, page_ids].reshape(num_tiles, chunk_tokens, num_kv_heads, head_dim)
         v = v_cache[layer, page_ids].reshape(num_tiles, chunk_tokens, num_kv_heads, head_dim)
         kv_pos = chunk * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)  # i32[C]
-        v = jnp.where((kv_pos[None, :] < tile_kv_len[:, None])[:, :, None, None], v, 0)
+        kv_real = kv_pos[None, :] < tile_kv_len[:, None]  # bool[NT, C]
+        if quantized:  # f32[NT, C, Hkv] scales of this chunk only
+            ks = k_scale[layer, page_ids].reshape(num_tiles, chunk_tokens, num_kv_heads)
+            vs = v_scale[layer, page_ids].reshape(num_tiles, chunk_tokens, num_kv_heads)
+            vs = jnp.where(kv_real[:, :, None], vs, 0.0)  # int8 V is finite; its scale is masked
+            if not scale_logits:
+                k = k.astype(jnp.float32) * ks[..., None]
+                v = v.astype(jnp.float32) * vs[..., None]
+            v = v.astype(q_tiles.dtype)
+        else:
+            v = jnp.where(kv_real[:, :, None, None], v, 0)
         s = jnp.einsum("nhrd,nchd->nhrc", q_tiles, k.astype(q_tiles.dtype),
-                       preferred_element_type=jnp.float32) * sm_scale  # f32[NT, Hkv, rows, C]
+                       preferred_element_type=jnp.float32)  # f32[NT, Hkv, rows, C]
+        if quantized and scale_logits:
+            s = s * ks.transpose(0, 2, 1)[:, :, None, :]
+        s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = row_valid_g[:, :, None] & (kv_pos[None, None, :] <= q_pos_g[:, :, None])
@@ -168,6 +206,8 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, layer, md: AttentionMetadata
         p = jnp.exp(s - m_safe[..., None])  # 0 where masked
         alpha = jnp.exp(m - m_safe)  # 0 while m is -inf
         l = alpha * l + p.sum(axis=-1)
+        if quantized and scale_logits:
+            p = p * vs.transpose(0, 2, 1)[:, :, None, :]
         pv = jnp.einsum("nhrc,nchd->nhrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return m_new, l, alpha[..., None] * acc + pv
 

@@ -16,8 +16,10 @@ import numpy as np
 from flax import nnx
 
 
-def perplexity(model, token_ids, *, chunk: int = 512, page_size: int = 16) -> float:
-    """exp(mean NLL of token_ids[1:] given the tokens before each), one sequence."""
+def perplexity(model, token_ids, *, chunk: int = 512, page_size: int = 16,
+               kv_cache_dtype=None) -> float:
+    """exp(mean NLL of token_ids[1:] given the tokens before each), one sequence.
+    kv_cache_dtype: None (the model's dtype) or e.g. "int8" (quantized KV pages)."""
     from jaxinfer.runtime.kv_cache import AttentionMetadata, allocate_kv_cache
 
     token_ids = np.asarray(token_ids, np.int32)
@@ -30,7 +32,7 @@ def perplexity(model, token_ids, *, chunk: int = 512, page_size: int = 16) -> fl
     graphdef, state = nnx.split(model)
     num_pages = -(-n // page_size) + 1
     pages = np.arange(1, num_pages, dtype=np.int32)  # page 0 is the null page
-    cache = allocate_kv_cache(model.config, num_pages, page_size, model.dtype)
+    cache = allocate_kv_cache(model.config, num_pages, page_size, kv_cache_dtype or model.dtype)
 
     @jax.jit
     def chunk_nll(state, cache, ids, pos, md, targets, valid):
@@ -83,4 +85,5 @@ def eval_ppl(model: str, text_file: str | os.PathLike, engine_config=None, *,
         source = model_source(model)
         tokenizer = Tokenizer.from_source(source.path, source.gguf_file)
     token_ids = tokenizer.encode(text)
-    return perplexity(module, token_ids, chunk=chunk), len(token_ids)
+    kv_cache_dtype = engine_config.kv_cache_dtype if engine_config is not None else None
+    return perplexity(module, token_ids, chunk=chunk, kv_cache_dtype=kv_cache_dtype), len(token_ids)

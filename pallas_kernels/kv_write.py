@@ -5,9 +5,11 @@ under a jit that donates the cache, nothing is copied and only the T new rows ar
 `write_kv_reference` is the XLA scatter; under donation XLA also updates it in place (tested in
 tests/kernels/test_kv_write.py by buffer pointer).
 
-int8 pages (`quantize_kv`): symmetric, one f32 scale per token and KV head, stored beside the
-pages as `[L, N, page_size, Hkv]`; with head_dim 64/128 that is 1 + 4/D bytes per value instead
-of 2 (bf16): 53% / 52% of the bf16 cache.
+int8 pages (`quantize_kv`, defined with the cache in jaxinfer/runtime/kv_cache.py): symmetric, one
+f32 scale per token and KV head, stored beside the pages as `[L, N, page_size, Hkv]`; with head_dim
+64/128 that is 1 + 4/D bytes per value instead of 2 (bf16): 53% / 52% of the bf16 cache.
+The engine writes through the XLA scatter in jaxinfer/ops.py (in place under donation, int8
+included); this kernel is the alternative measured in benchmarks/kernel_bench.py.
 """
 
 from __future__ import annotations
@@ -19,25 +21,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxinfer.runtime.kv_cache import INT8_MAX, dequantize_kv, quantize_kv  # noqa: F401 (re-exported)
 from pallas_kernels.ragged_paged_attention import whole_array_spec
-
-INT8_MAX = 127.0
 
 
 def _pow2_floor(x: int) -> int:
     return 1 << (max(1, int(x)).bit_length() - 1)
-
-
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x[..., D] float -> (int8[..., D], f32[...] scale); x ~= int8 * scale."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
-    scale = jnp.maximum(amax, 1e-30) / INT8_MAX
-    q = jnp.clip(jnp.round(x.astype(jnp.float32) / scale[..., None]), -INT8_MAX, INT8_MAX)
-    return q.astype(jnp.int8), scale
-
-
-def dequantize_kv(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
-    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
 def _validate(k_cache, v_cache, layer, k, v, slot_mapping, k_scale, v_scale):

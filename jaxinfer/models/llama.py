@@ -46,7 +46,8 @@ class Attention(nnx.Module):
         kv_cache = ops.write_kv(kv_cache, layer, k, v, md.slot_mapping)
         out = ops.ragged_paged_attention(
             q, kv_cache.k, kv_cache.v, layer, md, sm_scale=self.head_dim ** -0.5,
-            sliding_window=self.sliding_window, backend=attention_backend)  # [T, Hq, D]
+            sliding_window=self.sliding_window, backend=attention_backend,
+            k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, q_size)), kv_cache
 
 
