@@ -182,3 +182,24 @@ def test_engine_int8_greedy_matches_float(int8_llm, tiny_llm):
     assert sum(g[0] == w[0] for g, w in zip(got, want)) >= 7  # first tokens: prefill only
     pool = int8_llm.engine.scheduler.pool
     assert pool.num_free_pages == int8_llm.engine.num_pages - 1
+
+
+def test_engine_int8_with_draft_model(tiny_llama_dir):
+    """The draft model's own KV cache is int8 too; greedy speculation gives the tokens of plain
+    decoding, and a self-draft is (nearly) always accepted."""
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(tiny_llama_dir, num_pages=64, page_size=8, max_num_seqs=4, max_num_batched_tokens=64,
+              max_model_len=128, kv_cache_dtype="int8", speculative_method="draft",
+              draft_model=tiny_llama_dir, num_speculative_tokens=3)
+    assert llm.engine.runner.draft.kv_cache.quantized
+    rng = np.random.default_rng(PROMPTS_SEED + 1)
+    prompts = [rng.integers(3, 300, size=8).tolist() * 3 for _ in range(2)]
+    off = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, spec_decode=False)
+    on = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, off, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, on, use_tqdm=False)]
+    assert got == expected
+    m = llm.engine.metrics
+    assert m.num_draft_tokens_total >= 8 and m.spec_acceptance_rate > 0.9, m
+    assert llm.engine.scheduler.pool.num_free_pages == llm.engine.num_pages - 1
