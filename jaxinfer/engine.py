@@ -74,7 +74,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.engine_config, self.num_pages, self.max_model_len, eos_ids,
                                    spec_policy=self.spec_policy)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.buckets = StepBuckets.coarse(self.engine_config, self.max_model_len)
+        self.buckets = StepBuckets.coarse(self.engine_config, self.max_model_len,
+                                          exact_verify=self.runner.attention_backend == "xla")
         self.num_steps = 0
         logger.info(
             "KV cache: %d pages of %d tokens = %d tokens (%.1f MiB)",

@@ -519,19 +519,22 @@ def test_smollm2_greedy_identical_with_ngram_and_draft_model(smollm2_chat_prompt
     assert draft.engine.scheduler.pool.num_free_pages == draft.engine.num_pages - 1
 
 
-def test_warmup_covers_the_verifying_layouts():
-    """Warm-up inputs include every layout a speculating engine's steps take (host only)."""
+@pytest.mark.parametrize("k", [3, 4])
+def test_warmup_covers_the_verifying_layouts(k):
+    """Warm-up inputs include every layout a speculating engine's steps take (host only); with
+    k = 4 the verification size 1 + k = 5 is a token bucket of its own."""
     from jaxinfer.config import EngineConfig
     from jaxinfer.sched.step_input import StepBuckets, warmup_step_inputs
 
     ec = EngineConfig(page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                      speculative_method="ngram", num_speculative_tokens=3)
+                      speculative_method="ngram", num_speculative_tokens=k)
     buckets = StepBuckets.coarse(ec, 32)
+    assert buckets.token_buckets == ((1, 2, 4, 8, 16) if k == 3 else (1, 2, 4, 5, 8, 16))
     warm = {si.pack()[1] for si in warmup_step_inputs(ec, 32, buckets=buckets)}
     h = Harness(num_pages=40, max_model_len=32, page_size=4, max_num_seqs=4,
-                max_num_batched_tokens=16, speculative_method="ngram", num_speculative_tokens=3,
+                max_num_batched_tokens=16, speculative_method="ngram", num_speculative_tokens=k,
                 coarse_buckets=True)
-    h.sched.spec_policy = SpecPolicy(3, max_batched_tokens=1000, min_accept_prob=0.0)
+    h.sched.spec_policy = SpecPolicy(k, max_batched_tokens=1000, min_accept_prob=0.0)
     h.runner = FakeVerifier(40, 4)
     rng = random.Random(0)
     for i in range(6):
@@ -542,7 +545,7 @@ def test_warmup_covers_the_verifying_layouts():
     while h.sched.has_unfinished_requests():
         for req in h.sched.running:
             if req.num_tokens - req.num_computed_tokens == 1:
-                req.spec_token_ids = [rng.randint(2, 63) for _ in range(rng.randint(0, 3))]
+                req.spec_token_ids = [rng.randint(2, 63) for _ in range(rng.randint(0, k))]
         out = h.sched.schedule()
         si = make_step_input(out, h.config, 32, buckets=h.buckets)
         seen.add(si.pack()[1])

@@ -94,17 +94,25 @@ class StepBuckets:
 
     @classmethod
     def coarse(cls, engine_config: EngineConfig, max_model_len: int, *,
-               min_num_tokens: int = 1) -> "StepBuckets":
+               min_num_tokens: int = 1, exact_verify: bool = True) -> "StepBuckets":
         """Few executables: T powers of two from 1 (a single-stream decode step computes one token,
         not eight), S coarse (see above), P one fixed width (the attention's work follows the real
-        context lengths, not P)."""
+        context lengths, not P). With speculative decoding and `exact_verify`, T = 1 +
+        num_speculative_tokens is a bucket too: a single stream's full verification step then pads
+        nothing (the engine asks for it on the XLA path, where a CPU step's cost grows with T
+        already from 1 to 8; the Pallas kernels keep power-of-two T)."""
         ps = engine_config.page_size
         max_seqs = min(engine_config.max_num_seqs, engine_config.max_num_batched_tokens)
         small = min(min_num_tokens, next_power_of_2(max_seqs))
         seq_buckets = _powers_of_2(small, max_seqs)
+        token_buckets = _powers_of_2(min_num_tokens, engine_config.max_num_batched_tokens)
+        if exact_verify and engine_config.speculative_method is not None:
+            verify = 1 + engine_config.num_speculative_tokens
+            if min_num_tokens <= verify <= token_buckets[-1]:
+                token_buckets = tuple(sorted({*token_buckets, verify}))
         return cls(
             page_size=ps,
-            token_buckets=_powers_of_2(min_num_tokens, engine_config.max_num_batched_tokens),
+            token_buckets=token_buckets,
             seq_buckets=seq_buckets,
             page_buckets=(-(-max_model_len // ps),),
             coarse_seqs=True,
