@@ -484,19 +484,9 @@ class _Server:
                                       lambda job, out: ([chunk([ch])] if (ch := choice(job, out)) else []),
                                       [], lambda u: chunk([], u))
 
-        async def collect():
-            finals = {}
-            async with contextlib.aclosing(self._fan_in(jobs, t0)) as outs:
-                async for job, out in outs:
-                    finals[job.index] = (job, out)
-            return finals
-
-        try:
-            finals = await _until_disconnect(request, collect())
-        except _ClientGone:
-            return self._gone("completions")
-        except Exception as e:  # noqa: BLE001
-            return self._error("completions", _engine_api_error(e))
+        finals, failed = await self._finals(request, "completions", jobs, t0)
+        if failed is not None:
+            return failed
         choices = []
         for index in sorted(finals):
             job, out = finals[index]
@@ -554,19 +544,9 @@ class _Server:
             return await self._stream(request, "chat", jobs, t0, states, include_usage, on_output,
                                       role_chunks, lambda u: chunk([], u))
 
-        async def collect():
-            finals = {}
-            async with contextlib.aclosing(self._fan_in(jobs, t0)) as outs:
-                async for job, out in outs:
-                    finals[job.index] = (job, out)
-            return finals
-
-        try:
-            finals = await _until_disconnect(request, collect())
-        except _ClientGone:
-            return self._gone("chat")
-        except Exception as e:  # noqa: BLE001
-            return self._error("chat", _engine_api_error(e, {"max_tokens": max_param}))
+        finals, failed = await self._finals(request, "chat", jobs, t0, {"max_tokens": max_param})
+        if failed is not None:
+            return failed
         choices = []
         for index in sorted(finals):
             job, out = finals[index]
@@ -581,6 +561,23 @@ class _Server:
         self.metrics.requests.labels("chat", "ok").inc()
         return JSONResponse(R.chat_body(request_id, created, self.model_name, choices,
                                         self._usage(jobs, states, finals)))
+
+    async def _finals(self, request, endpoint, jobs, t0, renames=None):
+        """Non-streaming: waits for every job's final output. -> ({index: (job, out)}, None), or
+        (None, the error Response) when the client left or the engine failed the request."""
+        async def collect():
+            finals = {}
+            async with contextlib.aclosing(self._fan_in(jobs, t0)) as outs:
+                async for job, out in outs:
+                    finals[job.index] = (job, out)
+            return finals
+
+        try:
+            return await _until_disconnect(request, collect()), None
+        except _ClientGone:
+            return None, self._gone(endpoint)
+        except Exception as e:  # noqa: BLE001
+            return None, self._error(endpoint, _engine_api_error(e, renames))
 
     # -- streaming --------------------------------------------------------------------------------
     async def _stream(self, request, endpoint, jobs, t0, states, include_usage, on_output,
