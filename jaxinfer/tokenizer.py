@@ -9,9 +9,12 @@ that never splits a UTF-8 character, and stop strings that may span token bounda
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # Tokens of the prompt's tail decoded with the first output tokens, so that a first output token
 # that merges with what precedes it (a leading space, a byte-fallback sequence) decodes right.
@@ -33,22 +36,20 @@ class Tokenizer:
         """An HF directory (tokenizer.json / tokenizer_config.json ...), a `.gguf` file path, or a
         folder plus `gguf_file` (the name of the .gguf inside it). A hub name already in the local
         cache also works. EOS ids are the tokenizer's own plus generation_config.json's, if any."""
-        from transformers import AutoTokenizer  # heavy import; only when a tokenizer is built
-
         path = os.fspath(path)
         if gguf_file is None and path.endswith(".gguf") and os.path.isfile(path):
             path, gguf_file = os.path.split(os.path.abspath(path))
         if gguf_file is not None and not os.path.isfile(os.path.join(path, gguf_file)):
             raise ValueError(f"gguf_file={gguf_file!r} is not a file in {path=}")
-        kwargs = {} if gguf_file is None else {"gguf_file": gguf_file}
+        if gguf_file is not None:
+            return cls(_gguf_tokenizer(os.path.join(path, gguf_file)))
         try:
-            hf_tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+            hf_tokenizer = _auto_tokenizer().from_pretrained(path)
         except OSError as e:
             raise ValueError(
-                f"cannot load a tokenizer from {path=}{f' ({gguf_file=})' if gguf_file else ''}: "
-                f"expected an HF directory with tokenizer files or a .gguf file ({e})") from None
-        extra_eos = _generation_config_eos(path) if gguf_file is None else []
-        return cls(hf_tokenizer, eos_token_ids=extra_eos)
+                f"cannot load a tokenizer from {path=}: expected an HF directory with tokenizer "
+                f"files or a .gguf file ({e})") from None
+        return cls(hf_tokenizer, eos_token_ids=_generation_config_eos(path))
 
     # -- properties -------------------------------------------------------------------------------
     @property
@@ -110,6 +111,68 @@ class Tokenizer:
             name = getattr(self.hf_tokenizer, "name_or_path", "") or "this tokenizer"
             raise ValueError(f"{name!r} has no chat template: send a plain prompt (completions) "
                              "or use a model with a chat template")
+
+
+def _auto_tokenizer():
+    from transformers import AutoTokenizer  # heavy (imports torch when installed): only when needed
+
+    return AutoTokenizer
+
+
+# -- GGUF tokenizers, through a disk cache ---------------------------------------------------------
+# transformers converts a GGUF file's vocabulary and merges into a fast tokenizer on every load
+# (seconds: the `gguf` reader parses ~100k strings one at a time). The converted tokenizer is
+# saved once (`save_pretrained`) and loaded from there afterwards, keyed by the file's identity
+# and the transformers / tokenizers versions (jaxinfer/disk_cache.py).
+_TOKENIZER_CACHE_KIND = "tokenizers"
+_TOKENIZER_CACHE_FORMAT = 1
+_MIN_CACHED_GGUF_BYTES = 16 * 2**20  # smaller files (tests' tiny models) load fast anyway
+_FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _gguf_tokenizer(gguf_path: str):
+    from jaxinfer import disk_cache
+
+    folder, name = os.path.split(gguf_path)
+    if not disk_cache.cache_enabled() or os.path.getsize(gguf_path) < _MIN_CACHED_GGUF_BYTES:
+        return _load_gguf_tokenizer(folder, name)
+    key = {"format": _TOKENIZER_CACHE_FORMAT, "source": disk_cache.file_identity(gguf_path),
+           "code": disk_cache.code_version([__file__], ("transformers", "tokenizers"))}
+    slot = disk_cache.CacheSlot(_TOKENIZER_CACHE_KIND, os.path.realpath(gguf_path), key)
+    entry = slot.lookup()
+    if entry is not None:
+        try:
+            return _load_saved_tokenizer(str(entry))
+        except Exception as e:  # noqa: BLE001 - a damaged entry: rebuild it
+            logger.warning("tokenizer cache entry %s is unreadable (%s: %s); rebuilding it",
+                           entry, type(e).__name__, e)
+            slot.discard()
+    hf_tokenizer = _load_gguf_tokenizer(folder, name)
+    try:
+        slot.publish(lambda tmp: hf_tokenizer.save_pretrained(str(tmp)))
+    except OSError as e:
+        logger.warning("cannot write the tokenizer cache %s: %s", slot.entry, e)
+    return hf_tokenizer
+
+
+def _load_gguf_tokenizer(folder: str, name: str):
+    try:
+        return _auto_tokenizer().from_pretrained(folder, gguf_file=name)
+    except OSError as e:
+        raise ValueError(f"cannot load a tokenizer from the GGUF file {name!r} in {folder!r} "
+                         f"({e})") from None
+
+
+def _load_saved_tokenizer(directory: str):
+    """A tokenizer we saved: its fast class directly when it is the generic one (that skips
+    AutoTokenizer's import of torch), else through AutoTokenizer."""
+    with open(os.path.join(directory, "tokenizer_config.json")) as f:
+        tokenizer_class = json.load(f).get("tokenizer_class")
+    if tokenizer_class in _FAST_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(directory)
+    return _auto_tokenizer().from_pretrained(directory)
 
 
 def _generation_config_eos(path: str) -> list[int]:

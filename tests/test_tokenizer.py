@@ -57,6 +57,7 @@ def test_from_source_accepts_a_gguf_path(monkeypatch):
 
     import transformers
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake_from_pretrained)
+    monkeypatch.setenv("JAXINFER_NO_CACHE", "1")  # a cached conversion would skip the call
     t = Tokenizer.from_source(os.path.join(folder, GGUF_NAME))
     assert calls == [(os.path.abspath(folder), {"gguf_file": GGUF_NAME})]
     assert t.eos_token_ids == (7,)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -21,8 +22,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxinfer import disk_cache
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.models import weight_cache
 from jaxinfer.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KNOWN_MODELS = ("smollm2-135m",)
@@ -134,7 +139,7 @@ def init_dummy_model(config: ModelConfig, dtype=jnp.float32, seed: int = 0) -> L
 def model_from_params(config: ModelConfig, params: dict, dtype) -> LlamaForCausalLM:
     """Put a pure param dict (numpy) on the device as a LlamaForCausalLM."""
     graphdef, state = nnx.split(_abstract_model(config, dtype))
-    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+    nnx.replace_by_pure_dict(state, jax.device_put(params))  # one batched transfer
     return nnx.merge(graphdef, state)
 
 
@@ -153,19 +158,46 @@ def load_model(path_or_name: str | os.PathLike,
     if quant_checkpoint.is_quantized_checkpoint(path_or_name):  # `jaxinfer quantize` output
         return quant_checkpoint.load_quantized(path_or_name)
     source = model_source(path_or_name)
+    if (source.is_gguf and engine_config.quantization is None and disk_cache.cache_enabled()
+            and os.path.getsize(source.file) >= weight_cache.MIN_SOURCE_BYTES):
+        config, params = _cached_gguf_params(source, dtype)  # quantized loads read GGUF blocks
+        return config, model_from_params(config, params, dtype)
+    config, tensors = _open_source(source)
+    model = model_from_params(config, params_from_hf(config, tensors, dtype), dtype)
+    return config, _quantized(model, engine_config, tensors if source.is_gguf else None)
+
+
+def _open_source(source: ModelSource):
+    """(ModelConfig, a mapping HF name -> numpy tensor) of a GGUF file or an HF directory."""
     if source.is_gguf:
         from jaxinfer.models.gguf_file import GGUFTensors, open_gguf
 
         reader = open_gguf(source.file)
         config = ModelConfig.from_gguf_reader(reader)
-        tensors = GGUFTensors(reader, config.architecture, config.num_heads, config.num_kv_heads)
-    else:
-        from jaxinfer.models.safetensors_dir import SafetensorsDir
+        return config, GGUFTensors(reader, config.architecture, config.num_heads,
+                                   config.num_kv_heads)
+    from jaxinfer.models.safetensors_dir import SafetensorsDir
 
-        config = ModelConfig.from_hf_dir(source.path)
-        tensors = SafetensorsDir(source.path)
-    model = model_from_params(config, params_from_hf(config, tensors, dtype), dtype)
-    return config, _quantized(model, engine_config, tensors if source.is_gguf else None)
+    return ModelConfig.from_hf_dir(source.path), SafetensorsDir(source.path)
+
+
+def _cached_gguf_params(source: ModelSource, dtype) -> tuple[ModelConfig, dict]:
+    """(config, params) of a GGUF file through the weight cache (models/weight_cache.py): a hit
+    skips parsing and dequantizing the file; a miss converts it and stores the result."""
+    from jaxinfer.models.weights import params_from_hf
+
+    slot = weight_cache.weight_slot([source.file], dtype)
+    cached = weight_cache.load(slot)
+    if cached is not None:
+        logger.info("weights of %s from the cache %s", source.file, slot.entry)
+        return cached
+    config, tensors = _open_source(source)
+    params = params_from_hf(config, tensors, dtype)
+    try:
+        weight_cache.save(slot, config, params)
+    except OSError as e:  # a read-only or full disk: run without the cache
+        logger.warning("cannot write the weight cache %s: %s", slot.entry, e)
+    return config, params
 
 
 def _quantized(model: LlamaForCausalLM, engine_config: EngineConfig, gguf_tensors=None):
