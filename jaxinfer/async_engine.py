@@ -3,7 +3,11 @@
 The engine is not thread-safe, so every engine call (add, abort, step, warm-up, metrics snapshot)
 happens on the one engine thread. The asyncio side talks to it through a command queue and gets
 outputs back through per-request asyncio queues, fed with `loop.call_soon_threadsafe` (one callback
-per step, not per output). The event loop never waits on a step.
+per step, not per output). The event loop never waits on a step. Where the engine can (`step`
+takes `detokenize`), its outputs carry token ids only and each request's text and stop strings are
+worked out here, in the request's own `generate` coroutine (engine_outputs.TextTracker): off the
+engine thread, so detokenizing overlaps the next step, and a consumer that lags decodes only once
+for several steps. A stop string found here ends the request on the engine thread (`finish_request`).
 
     async_engine = AsyncEngine(engine, max_waiting=1024)
     await async_engine.start()                       # warm-up runs on the engine thread
@@ -21,11 +25,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import inspect
 import logging
 import queue
 import threading
 import time
 from typing import Any, AsyncIterator, Sequence
+
+from jaxinfer.engine_outputs import TextTracker
+from jaxinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +56,7 @@ class _Stream:
     first_token_seen: bool = False
 
 
-_ADD, _ABORT, _CALL = "add", "abort", "call"
+_ADD, _ABORT, _FINISH, _CALL = "add", "abort", "finish", "call"
 _METRICS_PERIOD_S = 0.05  # engine.metrics is read at most this often while steps run
 
 
@@ -61,6 +69,8 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self._do_warmup = warmup
         self._idle_poll_s = idle_poll_s
+        # Token-only outputs from the engine, detokenized by the consumer (see the module doc).
+        self._detokenize_here = "detokenize" in inspect.signature(engine.step).parameters
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -169,6 +179,7 @@ class AsyncEngine:
         self._num_waiting += 1
         self._idle.clear()
         finished = False
+        text = None  # TextTracker, made at the first output (it knows the prompt's token ids)
         try:
             added = concurrent.futures.Future()
             self._send(_ADD, request_id, (prompt, params, priority), added)
@@ -181,6 +192,14 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True  # the engine side already dropped it
                     raise item
+                if self._detokenize_here:
+                    if text is None:
+                        text = TextTracker(self.tokenizer, item.prompt_token_ids,
+                                           params if params is not None else SamplingParams())
+                    engine_finished = item.finished
+                    item = text.apply(item)
+                    if item.finished and not engine_finished:  # a stop string: end it there
+                        self._send(_FINISH, request_id, text.stop_reason)
                 if item.finished:
                     finished = True
                 yield item
@@ -267,7 +286,7 @@ class AsyncEngine:
                     self._wake.wait(self._idle_poll_s)
                     self._wake.clear()
                     continue
-                outputs = engine.step()
+                outputs = engine.step(detokenize=False) if self._detokenize_here else engine.step()
             except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
                 self._on_step_error(e, in_flight)
                 continue
@@ -298,6 +317,13 @@ class AsyncEngine:
                 else:
                     in_flight.add(request_id)
                     future.set_result(None)
+            elif kind == _FINISH:
+                if request_id in in_flight:
+                    in_flight.discard(request_id)
+                    try:
+                        self.engine.finish_request(request_id, "stop", stop_reason=payload)
+                    except Exception:  # noqa: BLE001
+                        logger.exception("finish_request(%r) failed", request_id)
             elif kind == _ABORT:
                 if request_id in in_flight:
                     in_flight.discard(request_id)

@@ -1,21 +1,120 @@
-"""Turns scheduler updates into RequestOutputs: incremental detokenizing and stop strings."""
+"""Turns scheduler updates into RequestOutputs: incremental detokenizing and stop strings.
+
+`TextTracker` is one request's text, kept up to date from its cumulative output token ids; it needs
+only the tokenizer, so it runs wherever the outputs are consumed: in `OutputProcessor` on the
+engine's thread (`LLM.generate`), or, for the server, on the asyncio side (`AsyncEngine`), which
+takes token-only outputs from `LLMEngine.step(detokenize=False)` so detokenizing stays off the
+step's critical path. A stop string ends the output at the token that completed it (the text is
+cut before it, or after with `include_stop_str_in_output`), even when a step produced several
+tokens (speculative decoding) or a lagging consumer sees several steps at once.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 from jaxinfer.request import CompletionOutput, Request, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.tokenizer import IncrementalDetokenizer, Tokenizer, check_stop, stop_holdback_len
+
+
+class TextTracker:
+    """The output text of one request, fed its cumulative output token ids."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams):
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                            skip_special_tokens=params.skip_special_tokens)
+        self.stops = params.stop_list()
+        self.include_stop = params.include_stop_str_in_output
+        self.text = ""  # all text decoded so far (before stop truncation)
+        self.stopped_text: str | None = None  # the final text once a stop string matched
+        self.stop_reason: str | None = None  # the stop string that matched
+        self.num_tokens_at_stop: int | None = None  # output tokens up to the one completing it
+
+    @property
+    def stopped(self) -> bool:
+        return self.stopped_text is not None
+
+    def update(self, token_ids: Sequence[int], finished: bool) -> bool:
+        """Feeds the tokens not seen yet; True when a stop string matched in them."""
+        if self.stopped:
+            return False
+        new_ids = token_ids[self.detok.num_tokens_seen:]
+        if not self.stops:
+            self.text += self.detok.add(new_ids) if new_ids else ""
+        else:  # one token at a time: the stop ends the output at the token that completed it
+            for token_id in new_ids:
+                delta = self.detok.add([token_id])
+                if delta and self._check(delta):
+                    return True
+        if finished:
+            delta = self.detok.flush()
+            if delta and self.stops and self._check(delta):
+                return True
+            self.text += "" if self.stops else delta
+        return False
+
+    def _check(self, delta: str) -> bool:
+        self.text += delta
+        truncated, matched = check_stop(self.text, self.stops, num_new_chars=len(delta),
+                                        include=self.include_stop)
+        if matched is None:
+            return False
+        self.stopped_text, self.stop_reason = truncated, matched
+        self.num_tokens_at_stop = self.detok.num_tokens_seen
+        return True
+
+    def visible_text(self, finished: bool) -> str:
+        """The text to show now: cut at a stop, and while running without the tail that may still
+        grow into a stop string."""
+        if self.stopped_text is not None:
+            return self.stopped_text
+        if self.stops and not finished:
+            return self.text[: len(self.text) - stop_holdback_len(self.text, self.stops)]
+        return self.text
+
+    def apply(self, out: RequestOutput) -> RequestOutput:
+        """`out` (token-only, single completion) with its text; ended at a matched stop string."""
+        c = out.outputs[0]
+        if self.stopped:
+            finished = True
+        else:
+            self.update(c.token_ids, out.finished)
+            finished = out.finished or self.stopped
+        token_ids, logprobs = c.token_ids, c.logprobs
+        finish_reason, stop_reason = c.finish_reason, c.stop_reason
+        if self.stopped:
+            n = self.num_tokens_at_stop
+            token_ids = token_ids[:n]
+            logprobs = None if logprobs is None else logprobs[:n]
+            finish_reason, stop_reason = "stop", self.stop_reason
+        completion = dataclasses.replace(c, text=self.visible_text(finished), token_ids=token_ids,
+                                         logprobs=logprobs, finish_reason=finish_reason,
+                                         stop_reason=stop_reason)
+        return dataclasses.replace(out, outputs=[completion], finished=finished)
+
+
+def token_output(req: Request, prompt: str | None) -> RequestOutput:
+    """A snapshot of `req` with no text yet (copies: safe to hand to another thread)."""
+    finished = req.is_finished()
+    completion = CompletionOutput(
+        index=0,
+        text="",
+        token_ids=list(req.output_token_ids),
+        finish_reason=req.finish_reason() if finished else None,
+        stop_reason=req.stop_reason,
+        logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
+    )
+    return RequestOutput(request_id=req.request_id, prompt=prompt,
+                         prompt_token_ids=req.prompt_token_ids, outputs=[completion],
+                         finished=finished, metrics=req.metrics())
 
 
 @dataclasses.dataclass
 class _Track:
-    request: Request
     prompt: str | None
-    detok: IncrementalDetokenizer
-    text: str = ""  # all text decoded so far (before stop truncation)
-    stop_reason: str | int | None = None
-    stopped_text: str | None = None  # the final text once a stop string matched
+    text: TextTracker | None  # None when the consumer detokenizes
 
 
 class OutputProcessor:
@@ -24,10 +123,7 @@ class OutputProcessor:
         self._tracks: dict[str, _Track] = {}
 
     def add(self, req: Request, prompt_text: str | None) -> None:
-        sp = req.sampling_params
-        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                       skip_special_tokens=sp.skip_special_tokens)
-        self._tracks[req.request_id] = _Track(req, prompt_text, detok)
+        self._tracks[req.request_id] = _Track(prompt_text, None)
 
     def abort(self, request_id: str) -> None:
         self._tracks.pop(request_id, None)
@@ -35,59 +131,23 @@ class OutputProcessor:
     def drain_aborted(self) -> list[RequestOutput]:
         return []
 
-    def process(self, updated: list[Request], scheduler) -> list[RequestOutput]:
+    def process(self, updated: list[Request], scheduler, detokenize: bool = True) -> list[RequestOutput]:
+        """Outputs of the requests a step updated. With `detokenize`, their text, and a request
+        whose text reached a stop string is finished in `scheduler`; else token-only outputs
+        (the consumer runs a TextTracker and ends stopped requests itself)."""
         outputs = []
         for req in updated:
             track = self._tracks.get(req.request_id)
             if track is None:
                 continue
-            self._detokenize(track, scheduler)
-            outputs.append(self._output(track))
-            if track.request.is_finished():
+            if detokenize:
+                if track.text is None:
+                    track.text = TextTracker(self.tokenizer, req.prompt_token_ids, req.sampling_params)
+                if track.text.update(req.output_token_ids, req.is_finished()) and not req.is_finished():
+                    scheduler.finish_request(req.request_id, "stop", stop_reason=track.text.stop_reason)
+                outputs.append(track.text.apply(token_output(req, track.prompt)))
+            else:
+                outputs.append(token_output(req, track.prompt))
+            if req.is_finished():
                 del self._tracks[req.request_id]
         return outputs
-
-    def _detokenize(self, track: _Track, scheduler) -> None:
-        req = track.request
-        new_ids = req.output_token_ids[track.detok.num_tokens_seen:]
-        delta = track.detok.add(new_ids) if new_ids else ""
-        if req.is_finished():
-            delta += track.detok.flush()
-        track.text += delta
-        stops = req.sampling_params.stop_list()
-        if stops and delta and track.stopped_text is None:
-            truncated, matched = check_stop(track.text, stops, num_new_chars=len(delta),
-                                            include=req.sampling_params.include_stop_str_in_output)
-            if matched is not None:
-                track.stopped_text = truncated
-                track.stop_reason = matched
-                if not req.is_finished():
-                    scheduler.finish_request(req.request_id, "stop", stop_reason=matched)
-
-    def _output(self, track: _Track) -> RequestOutput:
-        req = track.request
-        finished = req.is_finished()
-        if track.stopped_text is not None:
-            text = track.stopped_text
-        else:
-            text = track.text
-            stops = req.sampling_params.stop_list()
-            if stops and not finished:  # hold back a tail that may still become a stop string
-                text = text[: len(text) - stop_holdback_len(text, stops)]
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason() if finished else None,
-            stop_reason=track.stop_reason if track.stop_reason is not None else req.stop_reason,
-            logprobs=req.output_logprobs if req.sampling_params.logprobs is not None else None,
-        )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=track.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            metrics=req.metrics(),
-        )
-

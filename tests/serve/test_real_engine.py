@@ -22,7 +22,14 @@ def refs(tiny_llm):
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
     chat_ids = tiny_llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
     seeded = [SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True) for s in (5, 6)]
+    long_text = tiny_llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0,
+                                                           ignore_eos=True), use_tqdm=False)
+    long_text = long_text[0].outputs[0].text
+    stop = long_text[len(long_text) // 2:len(long_text) // 2 + 3]  # completes mid-output
+    stopped = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
     return {
+        "stop": stop,
+        "stopped": tiny_llm.generate([PROMPT], stopped, use_tqdm=False)[0],
         "completion": tiny_llm.generate([PROMPT], greedy, use_tqdm=False)[0],
         "chat": tiny_llm.generate([chat_ids], greedy, use_tqdm=False)[0],
         "seeded": [o.outputs[0].text for o in tiny_llm.generate([PROMPT, PROMPT], seeded,
@@ -61,6 +68,24 @@ def test_completion_equals_python_api(client, refs):
         "stream": True}).text)
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == ref.text
+
+
+def test_stop_string_equals_python_api(client, refs):
+    """The server detokenizes off the engine thread (AsyncEngine + TextTracker): a stop string
+    ends the output at the same text and token count as LLM.generate, streaming or not."""
+    ref = refs["stopped"].outputs[0]
+    assert ref.finish_reason == "stop" and ref.stop_reason == refs["stop"]
+    assert len(ref.token_ids) < 24
+    req = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+           "stop": [refs["stop"]]}
+    body = client.post("/v1/completions", json=req).json()
+    choice = body["choices"][0]
+    assert choice["text"] == ref.text
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == refs["stop"]
+    assert body["usage"]["completion_tokens"] == len(ref.token_ids)
+    events = sse_events(client.post("/v1/completions", json={**req, "stream": True}).text)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == ref.text
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_chat_equals_python_api(client, refs):

@@ -1,0 +1,64 @@
+"""TextTracker: text, stop strings and token trimming from cumulative token ids (host only)."""
+
+from __future__ import annotations
+
+from jaxinfer.engine_outputs import TextTracker
+from jaxinfer.request import CompletionOutput, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+from tests.serve.fake_engine import FakeTokenizer
+
+TOK = FakeTokenizer()
+
+
+def ids(text: str) -> list[int]:
+    return TOK.encode(text)
+
+
+def output(token_ids, finished=False, finish_reason=None) -> RequestOutput:
+    c = CompletionOutput(0, "", list(token_ids), finish_reason=finish_reason)
+    return RequestOutput("r", None, ids("p"), [c], finished)
+
+
+def test_text_without_stops_equals_a_full_decode_in_any_chunking():
+    text = "héllo wörld, ça va? 日本"
+    all_ids = ids(text)
+    for chunk in (1, 2, 5, len(all_ids)):
+        tracker = TextTracker(TOK, ids("p"), SamplingParams())
+        for end in range(chunk, len(all_ids) + chunk, chunk):
+            out = tracker.apply(output(all_ids[:end], finished=end >= len(all_ids),
+                                       finish_reason="length" if end >= len(all_ids) else None))
+        assert out.outputs[0].text == text
+        assert out.finished and out.outputs[0].finish_reason == "length"
+
+
+def test_stop_ends_at_the_token_that_completed_it_whatever_the_chunking():
+    all_ids = ids("abc STOP def")
+    params = SamplingParams(stop=["STOP"])
+    for chunk in (1, 3, 7, len(all_ids)):
+        tracker = TextTracker(TOK, ids("p"), params)
+        out = None
+        for end in range(chunk, len(all_ids) + chunk, chunk):
+            out = tracker.apply(output(all_ids[:end]))
+            if out.finished:
+                break
+        c = out.outputs[0]
+        assert out.finished and c.finish_reason == "stop" and c.stop_reason == "STOP"
+        assert c.text == "abc "
+        assert c.token_ids == ids("abc STOP")  # trimmed: not the tokens after the stop
+        again = tracker.apply(output(all_ids))  # later outputs change nothing
+        assert again.outputs[0].token_ids == c.token_ids and again.outputs[0].text == "abc "
+
+
+def test_include_stop_and_holdback_while_running():
+    tracker = TextTracker(TOK, ids("p"), SamplingParams(stop=["STOP"], include_stop_str_in_output=True))
+    out = tracker.apply(output(ids("abc ST")))
+    assert not out.finished and out.outputs[0].text == "abc "  # "ST" may become the stop
+    out = tracker.apply(output(ids("abc STOP!")))
+    assert out.finished and out.outputs[0].text == "abc STOP"
+    assert out.outputs[0].token_ids == ids("abc STOP")
+
+
+def test_stop_in_the_final_flush_and_none_found():
+    tracker = TextTracker(TOK, ids("p"), SamplingParams(stop=["zz"]))
+    out = tracker.apply(output(ids("abc"), finished=True, finish_reason="length"))
+    assert out.outputs[0].text == "abc" and out.outputs[0].finish_reason == "length"
