@@ -128,9 +128,10 @@ class LLMEngine:
             fraction = 0.15 if jax.default_backend() == "cpu" else 0.85
         budget = int(free * fraction)
         by_memory = budget // self._bytes_per_page()
-        # Rounded down to a multiple of 256 pages: free memory varies from start to start, and a
-        # different pool shape would miss the persistent compilation cache.
-        by_memory = max(by_memory // 256 * 256, min(by_memory, 256), 2)
+        # Rounded down to three significant bits (... 2048, 2560, 3072, 3584, 4096, 5120 ...):
+        # free memory drifts from start to start (other processes), and another pool shape misses
+        # the compilation caches, i.e. a whole cold warm-up; steps 12-25% apart absorb the drift.
+        by_memory = max(_three_significant_bits(by_memory), 2)
         return int(min(wanted, by_memory))
 
     # -- requests ---------------------------------------------------------------------------
@@ -190,11 +191,20 @@ class LLMEngine:
         self.scheduler.abort_request(request_id)
         self.outputs.abort(request_id)
 
+    def finish_request(self, request_id: str, reason: str = "stop",
+                       stop_reason: str | int | None = None) -> None:
+        """Ends a request as finished (e.g. a stop string the caller found); frees its pages."""
+        self.scheduler.finish_request(request_id, reason, stop_reason=stop_reason)
+        self.outputs.abort(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, detokenize: bool = True) -> list[RequestOutput]:
+        """One scheduling step: runs the batch, returns the updated requests' outputs. With
+        `detokenize=False` the outputs carry token ids only (empty text) and stop strings are
+        the caller's to check (engine_outputs.TextTracker; `finish_request` ends a request)."""
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return self.outputs.drain_aborted()
@@ -205,7 +215,7 @@ class LLMEngine:
         if self.spec_policy is not None:
             self._propose(sched_out, runner_out, updated)
         self.num_steps += 1
-        return self.outputs.process(updated, self.scheduler)
+        return self.outputs.process(updated, self.scheduler, detokenize=detokenize)
 
     def _propose(self, sched_out, runner_out, updated: list[Request]) -> None:
         """Drafts for the next step: n-gram lookup here, or the draft model's from this step."""
@@ -226,11 +236,14 @@ class LLMEngine:
                 req.spec_token_ids = drafts[:drafts.index(-1)] if -1 in drafts else drafts
 
     def warmup(self) -> None:
-        """Compiles every shape bucket now, so no request waits through a compile."""
+        """Compiles (or loads from the executable cache) every shape bucket now, so no request
+        waits through a compile, then runs the smallest one as a check that the device works."""
         t0 = time.perf_counter()
-        for step_input in warmup_step_inputs(self.engine_config, self.max_model_len,
-                                             buckets=self.buckets):
-            self.runner.execute(step_input)
+        step_inputs = list(warmup_step_inputs(self.engine_config, self.max_model_len,
+                                              buckets=self.buckets))
+        for step_input in step_inputs:
+            self.runner.compile(step_input)
+        self.runner.execute(step_inputs[0])  # all padding: touches only the null page
         logger.info("warm-up: %d executables in %.1f s", self.runner.num_compilations,
                     time.perf_counter() - t0)
         if self.spec_policy is not None and self.engine_config.spec_max_batched_tokens is None:
@@ -269,3 +282,9 @@ class LLMEngine:
 
     def weight_bytes(self) -> int:
         return param_bytes(self.runner.state)
+
+
+def _three_significant_bits(n: int) -> int:
+    """`n` rounded down to its three leading binary digits (3926 -> 3584)."""
+    shift = max(n.bit_length() - 3, 0)
+    return (n >> shift) << shift
