@@ -5,6 +5,10 @@ the pages (`k_scale`/`v_scale`, None for float caches). Quantization is symmetri
 head (`quantize_kv`: x ~= int8 * absmax / 127), done when a token's K/V is written. Bytes per value
 are 1 + 4 / head_dim (1.0625 at D = 64): 53% of a bfloat16 cache, 27% of a float32 one. f16
 scales would give 1.03 (52% of bf16) for a narrower range and one more cast; not worth it.
+Measured on SmolLM2-135M (f32 weights, XLA CPU): perplexity on tests/data/ppl_text.txt 23.926 with
+an f32 cache, 23.924 bf16, 23.943 int8 (+0.07%); teacher-forced greedy argmax agreement with the
+f32 cache over 404 generated positions 97.8% (bf16: 99.5%), nearly all of the loss from K (K alone
+98.8%, V alone 99.8%): per-token scales suffer from K's outlier channels.
 """
 
 from __future__ import annotations
