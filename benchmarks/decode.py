@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+import jax
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 PROMPTS = [
@@ -71,20 +73,27 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--dummy", action="store_true",
+                    help="random weights of MODEL's shapes (a directory with config.json and "
+                         "tokenizer files); implies --no-hf")
     ap.add_argument("--attention-backend", default="auto")
     args = ap.parse_args()
 
     from jaxinfer.models.loader import model_source
 
-    source = model_source(args.model)
+    source = None if args.dummy else model_source(args.model)
+    args.no_hf |= args.dummy
     batch_sizes = [1, args.batch]
     engine_kwargs = dict(max_model_len=512, max_num_seqs=max(batch_sizes), num_pages=1024,
                          attention_backend=args.attention_backend)
+    if args.dummy:
+        engine_kwargs.update(load_format="dummy", tokenizer=args.model)
     ours = bench_jaxinfer(args.model, batch_sizes, args.new_tokens, engine_kwargs)
     print("jaxinfer tok/s:", {b: round(v, 1) for b, v in ours.items()}, flush=True)
     hf = {} if args.no_hf else bench_hf(source.path, source.gguf_file, batch_sizes, args.new_tokens)
 
-    print(f"\nDecode, {args.model}, greedy, {args.new_tokens} new tokens, float32, CPU={os.cpu_count()} cores")
+    print(f"\nDecode, {args.model}, greedy, {args.new_tokens} new tokens, float32, "
+          f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPU cores")
     print(f"{'batch':>6} | {'jaxinfer tok/s':>15} | {'transformers tok/s':>19} | {'ratio':>6}")
     print("-" * 56)
     for b in batch_sizes:

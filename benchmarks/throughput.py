@@ -19,6 +19,7 @@ import os
 import sys
 import time
 
+import jax
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -81,6 +82,10 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--num-pages", type=int, default=2048)
     ap.add_argument("--skip-static", action="store_true")
+    ap.add_argument("--dummy", action="store_true",
+                    help="random weights of the model's shapes (MODEL = a directory with config.json "
+                         "and tokenizer files, e.g. configs/models/smollm2-135m-shapes): the same "
+                         "compute as the real weights, since lengths are exact (ignore_eos)")
     args = ap.parse_args()
 
     common = dict(page_size=16, num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
@@ -89,6 +94,8 @@ def main() -> None:
     rows = []
     results = {}
     # One engine (one set of compiled executables) for both modes: static only swaps the scheduler.
+    if args.dummy:
+        common.update(load_format="dummy", tokenizer=args.model)
     llm = LLM(args.model, **common)
     vocab = llm.engine.model_config.vocab_size
     prompts, params = workload(args.num_requests, 0, vocab, args.max_prompt, args.mean_out,
@@ -115,7 +122,9 @@ def main() -> None:
     results["prefix"] = (on, off)
 
     print(f"\nThroughput, {args.model}, {args.num_requests} requests, prompts 16-{args.max_prompt}, "
-          f"outputs exp(mean {args.mean_out}) cap {args.cap_out}, greedy, CPU={os.cpu_count()} cores")
+          f"outputs exp(mean {args.mean_out}) cap {args.cap_out}, greedy, "
+          f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPU cores"
+          f"{', random weights of its shapes' if args.dummy else ''}")
     print(f"{'mode':>11} | {'out tok/s':>9} | {'seconds':>8} | {'KV util':>7} | {'mean TTFT s':>11} | "
           f"{'preempt':>7} | ratio")
     print("-" * 78)
