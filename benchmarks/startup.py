@@ -3,9 +3,12 @@
     python benchmarks/startup.py [MODEL] [--runs 1] [-- extra `jaxinfer serve` flags]
 
 Each run starts a fresh server process on 127.0.0.1 (a free port), polls /health until 200 (the
-engine has loaded and compiled every shape bucket), and stops it with SIGTERM. "cold" uses an empty
-compilation cache directory, "warm" the same directory again, "no cache" none at all. Prints a
-table with the seconds to ready and the ratio cold / warm.
+engine has loaded and compiled every shape bucket), and stops it with SIGTERM. "cold" starts with
+empty caches (JAX's compilation cache and jaxinfer's executable, weight and tokenizer caches, all
+in a temporary directory), "warm" with what the cold run left there, "no cache" with none at all.
+Prints a table: seconds to ready, of which building the engine (weights, tokenizer, KV pool) and
+warming up (every shape bucket compiled or loaded), the rest being Python imports and the server's
+own start; how many executables were compiled and how many loaded; the ratio cold / warm.
 """
 
 from __future__ import annotations
@@ -67,11 +70,13 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
             proc.wait()
 
 
-def time_to_ready(model: str, extra_args: list[str], timeout: float, log_path: str) -> dict:
-    """{"ready": s, "build": s, "warmup": s} (the last two parsed from the server's log)."""
+def time_to_ready(model: str, extra_args: list[str], timeout: float, log_path: str,
+                  env: dict | None = None) -> dict:
+    """{"ready": s, "build": s, "warmup": s, "compiled": n, "loaded": n} (all but the first
+    parsed from the server's log)."""
     port = free_port()
     t0 = time.monotonic()
-    proc = start_server(model, port, extra_args, log_path=log_path)
+    proc = start_server(model, port, extra_args, log_path=log_path, env=env)
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc, timeout)
         ready = time.monotonic() - t0
@@ -86,7 +91,9 @@ def time_to_ready(model: str, extra_args: list[str], timeout: float, log_path: s
     build = re.search(r"engine built in ([0-9.]+) s", log)
     warmup = re.search(r"engine warm-up took ([0-9.]+) s", log)
     return {"ready": ready, "build": float(build.group(1)) if build else float("nan"),
-            "warmup": float(warmup.group(1)) if warmup else float("nan")}
+            "warmup": float(warmup.group(1)) if warmup else float("nan"),
+            "compiled": len(re.findall(r"compiled a step for", log)),
+            "loaded": len(re.findall(r"loaded a step for", log))}
 
 
 def dir_size_mb(path: str) -> float:
@@ -106,27 +113,33 @@ def main() -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     args = p.parse_args(argv[:split])
     extra = argv[split + 1:]  # after `--`: flags passed to `jaxinfer serve`
-    cache_dir = tempfile.mkdtemp(prefix="jaxinfer-jax-cache-")
+    cache_dir = tempfile.mkdtemp(prefix="jaxinfer-startup-")
+    jax_cache = os.path.join(cache_dir, "jax")
+    env = {"JAXINFER_CACHE_DIR": os.path.join(cache_dir, "jaxinfer")}  # weights, tokenizer
     log_path = os.path.join(cache_dir + "-server.log")
     rows = []
     try:
         if args.no_cache_run:
             rows.append(("no cache", time_to_ready(args.model, [*extra, "--no-compilation-cache"],
-                                                   args.timeout, log_path), 0.0))
-        with_cache = [*extra, "--compilation-cache-dir", cache_dir]
-        cold = time_to_ready(args.model, with_cache, args.timeout, log_path)
-        rows.append(("cold (empty cache)", cold, dir_size_mb(cache_dir)))
+                                                   args.timeout, log_path,
+                                                   {"JAXINFER_NO_CACHE": "1"}), 0.0))
+        with_cache = [*extra, "--compilation-cache-dir", jax_cache]
+        cold = time_to_ready(args.model, with_cache, args.timeout, log_path, env)
+        rows.append(("cold (empty caches)", cold, dir_size_mb(cache_dir)))
         for i in range(args.runs):
-            warm = time_to_ready(args.model, with_cache, args.timeout, log_path)
+            warm = time_to_ready(args.model, with_cache, args.timeout, log_path, env)
             rows.append((f"warm #{i + 1}", warm, dir_size_mb(cache_dir)))
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
         if os.path.exists(log_path):
             os.unlink(log_path)
     print(f"\nstartup of `jaxinfer serve {args.model} {' '.join(extra)}` to a ready /health")
-    print(f"{'run':<20} {'to ready s':>10} {'engine build s':>14} {'warm-up s':>10} {'cache MB':>9}")
+    print(f"{'run':<20} {'to ready s':>10} {'engine build s':>14} {'warm-up s':>10} "
+          f"{'rest s':>7} {'compiled':>8} {'loaded':>7} {'caches MB':>9}")
     for name, t, mb in rows:
-        print(f"{name:<20} {t['ready']:>10.1f} {t['build']:>14.1f} {t['warmup']:>10.1f} {mb:>9.1f}")
+        rest = t["ready"] - t["build"] - t["warmup"]
+        print(f"{name:<20} {t['ready']:>10.1f} {t['build']:>14.1f} {t['warmup']:>10.1f} "
+              f"{rest:>7.1f} {t['compiled']:>8} {t['loaded']:>7} {mb:>9.1f}")
     warm_best = min((t for n, t, _ in rows if n.startswith("warm")), key=lambda t: t["ready"])
     print(f"cold / warm: {cold['ready'] / warm_best['ready']:.2f}x to ready, "
           f"{cold['warmup'] / warm_best['warmup']:.2f}x warm-up")

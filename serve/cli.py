@@ -6,17 +6,20 @@ Engine settings come from EngineConfig's defaults, then a TOML preset (`--config
 EngineConfig at the top level or under [engine]), then the engine flags given on the command line.
 The JAX persistent compilation cache is on by default (`~/.cache/jaxinfer/jax`), so a second start
 skips the compiles of the first. SIGTERM/SIGINT: admissions stop at once (503), requests in flight
-finish (up to --shutdown-timeout seconds), then the process exits.
+finish (up to --shutdown-timeout seconds), then the process exits with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import ipaddress
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import tomllib
 
@@ -161,7 +164,24 @@ def serve_app(app, async_engine, *, host: str, port: int, shutdown_timeout: floa
     config = uvicorn.Config(app, host=host, port=port, lifespan="on", access_log=access_log,
                             log_level=_uvicorn_log_level(),
                             timeout_graceful_shutdown=shutdown_timeout + 5.0, timeout_keep_alive=30)
-    _UvicornServer(config, async_engine).run()
+    with _drained_exit_is_clean():
+        _UvicornServer(config, async_engine).run()
+
+
+@contextlib.contextmanager
+def _drained_exit_is_clean():
+    """uvicorn handles SIGTERM/SIGINT itself (stop, drain) and, once shut down, re-raises the
+    signal against the handlers it found, so a clean drain would end the process with -15 (or a
+    KeyboardInterrupt). Handlers that ignore that re-raise make it a normal return (exit 0)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _uvicorn_log_level() -> str:

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.runtime.executable_cache import ExecutableCache
 from jaxinfer.runtime.kv_cache import allocate_kv_cache
 from jaxinfer.runtime.step import StepFlags, make_jitted_draft_step, make_jitted_step
 
@@ -56,6 +57,10 @@ class ModelRunner:
         kv_dtype = engine_config.kv_cache_dtype or engine_config.dtype
         self.kv_cache = allocate_kv_cache(model_config, num_pages, engine_config.page_size, kv_dtype)
         self._seen_signatures: set[tuple] = set()
+        self._executables: dict[tuple, jax.stages.Compiled] = {}  # compiled ahead (compile())
+        self._executable_cache = ExecutableCache.from_jax_config()
+        self._cache_context = "" if self._executable_cache is None else repr(
+            (graphdef, draft and draft.graphdef, model_config, engine_config))
         self.num_compilations = 0
         self.compile_seconds = 0.0
 
@@ -68,15 +73,10 @@ class ModelRunner:
         is_new = signature not in self._seen_signatures
         t0 = time.perf_counter()
         want_top = np.bool_(step_input.num_top_logprobs > 0)
-        draft_ids = None
-        if self.draft is None:
-            out, self.kv_cache = self._step(self.state, self.kv_cache, jax.device_put(buf), want_top,
-                                            layout, flags)
-        else:
-            d = self.draft
-            (out, draft_ids), self.kv_cache, d.kv_cache, d.q_store = self._step(
-                self.state, self.kv_cache, d.state, d.kv_cache, d.q_store, jax.device_put(buf),
-                want_top, layout, flags)
+        args = self._step_args(jax.device_put(buf), want_top)
+        compiled = self._executables.get(signature)
+        result = compiled(*args) if compiled is not None else self._step(*args, layout, flags)
+        out, draft_ids = self._keep_caches(result)
         host, draft_ids = jax.device_get((out, draft_ids))  # the one device->host transfer
         if is_new:
             self._seen_signatures.add(signature)
@@ -92,6 +92,51 @@ class ModelRunner:
             top_logprobs=np.asarray(host.top_logprobs[:n]) if want else None,
             draft_token_ids=None if draft_ids is None else np.asarray(draft_ids),
         )
+
+    def _step_args(self, buf: jax.Array, want_top: np.bool_) -> tuple:
+        """The step's arguments besides the static ones (the KV caches are donated)."""
+        if self.draft is None:
+            return self.state, self.kv_cache, buf, want_top
+        d = self.draft
+        return self.state, self.kv_cache, d.state, d.kv_cache, d.q_store, buf, want_top
+
+    def _keep_caches(self, result) -> tuple:
+        """Takes the updated caches out of a step's result -> (SamplerOutput, drafts | None)."""
+        if self.draft is None:
+            out, self.kv_cache = result
+            return out, None
+        d = self.draft
+        (out, draft_ids), self.kv_cache, d.kv_cache, d.q_store = result
+        return out, draft_ids
+
+    # -- ahead of time ----------------------------------------------------------------------
+    def compile(self, step_input) -> bool:
+        """Prepares the executable of this input's shape bucket without running it: loaded from
+        the executable cache (runtime/executable_cache.py) when it has it, else traced and
+        compiled (XLA's compile itself may hit JAX's persistent cache) and saved there. Returns
+        False if the bucket was ready already. `execute` then runs it with no trace or compile."""
+        flags = self._flags(step_input)
+        buf, layout = step_input.pack()
+        signature = (layout, flags)
+        if signature in self._seen_signatures:
+            return False
+        t0 = time.perf_counter()
+        args = self._step_args(jax.device_put(buf), np.bool_(False))
+        cache, key, compiled, how = self._executable_cache, None, None, "loaded"
+        if cache is not None:
+            key = cache.step_key(signature, args, self._cache_context)
+            compiled = cache.load(key, args)
+        if compiled is None:
+            compiled, how = self._step.lower(*args, layout, flags).compile(), "compiled"
+            if cache is not None:
+                cache.save(key, compiled)
+        self._executables[signature] = compiled
+        self._seen_signatures.add(signature)
+        self.num_compilations += 1
+        dt = time.perf_counter() - t0
+        self.compile_seconds += dt
+        logger.info("%s a step for (T, S, P)=%s %s in %.2f s", how, step_input.shape, flags, dt)
+        return True
 
     def _flags(self, si) -> StepFlags:
         return StepFlags(attention_backend=self.attention_backend)

@@ -87,6 +87,5 @@ def test_sigterm_drains_running_streams_then_exits():
             text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
             assert len(text) == 40  # the fake tokenizer: 1 character per token
         code = srv.proc.wait(TIMEOUT)
-        # uvicorn re-raises the captured SIGTERM once it has shut down cleanly
-        assert code in (0, -signal.SIGTERM), srv.log()[-3000:]
+        assert code == 0, srv.log()[-3000:]  # a clean drain is a clean exit
         assert "Application shutdown complete" in srv.log()

@@ -1,0 +1,131 @@
+"""Warm-up compiles every bucket ahead of time; the executable cache (runtime/executable_cache.py)
+lets a second engine load them instead of tracing: same tokens as compiling, no compile after
+warm-up, damaged entries compiled afresh, other settings other keys."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.runtime import executable_cache
+from jaxinfer.runtime.executable_cache import ExecutableCache
+from jaxinfer.sched.step_input import warmup_step_inputs
+
+SETTINGS = dict(num_pages=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=8,
+                max_model_len=64)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33]]
+PARAMS = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=6, temperature=1.0, top_p=0.8, seed=7, ignore_eos=True),
+          SamplingParams(max_tokens=6, temperature=0.7, seed=3, logprobs=3, ignore_eos=True)]
+
+
+def _outputs(llm):
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def _num_buckets(llm) -> int:
+    e = llm.engine
+    return len(list(warmup_step_inputs(e.engine_config, e.max_model_len, buckets=e.buckets)))
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("executables")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    """Outputs of an engine that compiles on first use (no warm-up, no cache)."""
+    llm = LLM(tiny_llama_dir, **SETTINGS)
+    assert llm.engine.runner._executable_cache is None  # JAX's cache is off in the tests
+    return _outputs(llm)
+
+
+def _cached_llm(tiny_llama_dir, root, monkeypatch, **overrides):
+    monkeypatch.setattr(ExecutableCache, "from_jax_config", classmethod(lambda cls: cls(root)))
+    return LLM(tiny_llama_dir, warmup=True, **{**SETTINGS, **overrides})
+
+
+def test_warmup_compiles_then_a_second_engine_loads(tiny_llama_dir, cache_root, reference,
+                                                    monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="jaxinfer.runtime.runner"):
+        first = _cached_llm(tiny_llama_dir, cache_root, monkeypatch)
+    n = _num_buckets(first)
+    assert caplog.text.count("compiled a step for") == n
+    assert len(list(cache_root.glob("*/*.jaxexe"))) == n
+    assert first.engine.metrics.num_compilations == n
+    assert _outputs(first) == reference
+    assert first.engine.metrics.num_compilations == n  # flat after warm-up
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jaxinfer.runtime.runner"):
+        second = _cached_llm(tiny_llama_dir, cache_root, monkeypatch)
+    assert caplog.text.count("loaded a step for") == n
+    assert "compiled a step for" not in caplog.text
+    assert _outputs(second) == reference
+    assert second.engine.metrics.num_compilations == n
+    assert "compiled a step for" not in caplog.text
+
+
+def test_damaged_entry_is_compiled_again(tiny_llama_dir, cache_root, reference, monkeypatch,
+                                         caplog):
+    _cached_llm(tiny_llama_dir, cache_root, monkeypatch)  # the cache is full
+    victim = sorted(cache_root.glob("*/*.jaxexe"))[0]
+    victim.write_bytes(b"not an executable")
+    with caplog.at_level(logging.INFO):
+        llm = _cached_llm(tiny_llama_dir, cache_root, monkeypatch)
+    assert "unusable" in caplog.text and caplog.text.count("compiled a step for") == 1
+    assert victim.stat().st_size > 100  # rewritten
+    assert _outputs(llm) == reference
+
+
+def test_other_settings_miss(tiny_llama_dir, cache_root, monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="jaxinfer.runtime.runner"):
+        llm = _cached_llm(tiny_llama_dir, cache_root, monkeypatch, num_pages=40)
+    assert "loaded a step for" not in caplog.text  # another KV pool: other shapes
+    assert caplog.text.count("compiled a step for") == _num_buckets(llm)
+
+
+def test_step_key_covers_static_args_types_and_context():
+    a = (jax.numpy.zeros((2, 3)), np.bool_(False))
+    key = ExecutableCache.step_key(("layout",), a, "ctx")
+    assert key == ExecutableCache.step_key(("layout",), (jax.numpy.ones((2, 3)), np.bool_(True)),
+                                           "ctx")  # values do not matter
+    assert key != ExecutableCache.step_key(("other",), a, "ctx")
+    assert key != ExecutableCache.step_key(("layout",), a, "other ctx")
+    assert key != ExecutableCache.step_key(("layout",), (jax.numpy.zeros((2, 4)), a[1]), "ctx")
+    assert key != ExecutableCache.step_key(
+        ("layout",), (jax.numpy.zeros((2, 3), jax.numpy.bfloat16), a[1]), "ctx")
+
+
+def test_fingerprint_follows_the_code(monkeypatch, tmp_path):
+    base = executable_cache.environment_fingerprint()
+    assert base == executable_cache.environment_fingerprint()
+    extra = tmp_path / "extra.py"
+    extra.write_text("x = 1\n")
+    files = executable_cache._source_files()
+    monkeypatch.setattr(executable_cache, "_source_files", lambda: [*files, extra])
+    changed = executable_cache.environment_fingerprint()
+    assert changed != base
+    extra.write_text("x = 2\n")
+    assert executable_cache.environment_fingerprint() != changed
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    assert executable_cache.environment_fingerprint() not in (base, changed)
+
+
+def test_off_without_jax_cache_or_with_no_cache_env(monkeypatch, tmp_path):
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert ExecutableCache.from_jax_config() is None
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        cache = ExecutableCache.from_jax_config()
+        assert cache is not None and cache.root == tmp_path / executable_cache.SUBDIR
+        monkeypatch.setenv("JAXINFER_NO_CACHE", "1")
+        assert ExecutableCache.from_jax_config() is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
