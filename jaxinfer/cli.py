@@ -31,14 +31,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-speculative-tokens", type=int, default=None)
     g.add_argument("--draft-model", default=None, help="draft model path (speculative 'draft')")
     g.add_argument("--scheduling", default=None, choices=["continuous", "static"])
+    g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],
+                   help="priority: requests with a lower `priority` run first and may preempt")
     g.add_argument("--load-format", default=None, choices=["auto", "dummy"])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ["page_size", "num_pages", "kv_memory_fraction", "max_num_seqs", "max_num_batched_tokens",
             "max_model_len", "dtype", "kv_cache_dtype", "attention_backend", "quantization",
-            "quant_group_size", "quantize_lm_head", "scheduling", "load_format", "speculative_method",
-            "num_speculative_tokens", "draft_model"]
+            "quant_group_size", "quantize_lm_head", "scheduling", "scheduling_policy", "load_format",
+            "speculative_method", "num_speculative_tokens", "draft_model"]
     kw = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "no_prefix_caching", False):
         kw["enable_prefix_caching"] = False

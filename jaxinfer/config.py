@@ -284,6 +284,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | xla | pallas
     enable_prefix_caching: bool = True
     scheduling: str = "continuous"  # continuous | static
+    scheduling_policy: str = "fcfs"  # fcfs | priority (lower `priority` first; it may preempt)
     quantization: str | None = None  # None | int8 | int4 (weights; see jaxinfer/quant.py)
     quant_group_size: int = 32  # int4: 32 | 64 | 128 rows of K per scale
     quantize_lm_head: bool = False  # also quantize the LM head / tied embedding table
@@ -321,6 +322,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend={self.attention_backend!r} must be auto, xla or pallas")
         if self.scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling={self.scheduling!r} must be continuous or static")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be fcfs or priority")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization={self.quantization!r} must be None, int8 or int4")
         if self.quant_group_size not in (32, 64, 128):

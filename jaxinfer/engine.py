@@ -72,6 +72,7 @@ class LLMEngine:
         self.ngram = (NgramProposer(self.engine_config.ngram_min, self.engine_config.ngram_max)
                       if self.engine_config.speculative_method == "ngram" else None)
         self.scheduler = Scheduler(self.engine_config, self.num_pages, self.max_model_len, eos_ids,
+                                   policy=self.engine_config.scheduling_policy,
                                    spec_policy=self.spec_policy)
         self.outputs = OutputProcessor(self.tokenizer)
         self.buckets = StepBuckets.coarse(self.engine_config, self.max_model_len,

@@ -39,19 +39,24 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """`priority`: one per prompt, used with `scheduling_policy="priority"` (lower first)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         # n > 1: n child requests (seeds seed, seed+1, ... when seeded), merged into one output.
-        flat_prompts, flat_params, owners = [], [], []
+        flat_prompts, flat_params, flat_priority, owners = [], [], [], []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             for j in range(sp.n):
                 child = sp if sp.n == 1 else dataclasses.replace(
                     sp, n=1, best_of=None, seed=None if sp.seed is None else sp.seed + j)
                 flat_prompts.append(p)
                 flat_params.append(child)
+                flat_priority.append(0 if priority is None else int(priority[i]))
                 owners.append(i)
-        request_ids = self._add(flat_prompts, flat_params)
+        request_ids = self._add(flat_prompts, flat_params, flat_priority)
         outs = self._run(request_ids, use_tqdm)
         merged: list[RequestOutput | None] = [None] * len(prompts)
         for i, out in zip(owners, outs):
@@ -95,16 +100,17 @@ class LLM:
                 self.engine.abort_request(request_id)
 
     # -- internals --------------------------------------------------------------------------
-    def _add(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[str]:
+    def _add(self, prompts: list[Prompt], params: list[SamplingParams],
+             priority: list[int] | None = None) -> list[str]:
         # Validate everything first, so a bad prompt does not leave half a batch queued.
         for p in prompts:
             if isinstance(p, str) and not p:
                 raise ValueError("prompt must not be empty")
         request_ids = []
         try:
-            for prompt, sp in zip(prompts, params):
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 rid = f"llm-{next(self._ids)}"
-                self.engine.add_request(rid, prompt, sp)
+                self.engine.add_request(rid, prompt, sp, priority=0 if priority is None else priority[i])
                 request_ids.append(rid)
         except Exception:
             for rid in request_ids:

@@ -88,6 +88,32 @@ def test_small_pool_preempts_and_matches_large_pool(tiny_llama_dir, tiny_llm):
     assert small.engine.scheduler.pool.num_free_pages == small.engine.num_pages - 1
 
 
+def test_priority_policy_preempts_for_an_urgent_request(tiny_llama_dir, tiny_llm):
+    """scheduling_policy="priority": an urgent request arriving at a full batch preempts the least
+    urgent running one, which resumes last; everyone's greedy tokens are as without priorities."""
+    prompts = _prompts(3, np.random.default_rng(4))
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = _tokens(tiny_llm.generate(prompts, sp, use_tqdm=False))
+    llm = LLM(tiny_llama_dir, num_pages=64, page_size=8, max_num_seqs=2, max_num_batched_tokens=64,
+              max_model_len=128, scheduling_policy="priority")
+    eng = llm.engine
+    eng.add_request("low", prompts[0], sp, priority=5)
+    eng.add_request("mid", prompts[1], sp, priority=3)
+    finished, order = {}, []
+    for _ in range(3):
+        eng.step()
+    eng.add_request("urgent", prompts[2], sp, priority=0)
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+                order.append(out.request_id)
+    assert order[-1] == "low"  # preempted for "urgent", resumed when a slot freed
+    assert eng.metrics.num_preemptions_total == 1
+    assert [finished[r] for r in ("low", "mid", "urgent")] == expected
+    assert eng.scheduler.pool.num_free_pages == eng.num_pages - 1
+
+
 def test_prefix_cache_hit_gives_same_tokens(tiny_llm):
     rng = np.random.default_rng(3)
     prefix = rng.integers(3, 300, size=40).tolist()

@@ -142,10 +142,46 @@ class Scheduler:
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        outranked = self._preempt_outranked() if self.policy == "priority" else []
         self._schedule_running(budget, scheduled, preempted)
         if not preempted:  # admitting right after a preemption would only thrash
             self._schedule_waiting(budget, scheduled)
-        return self._make_output(scheduled, preempted)
+        return self._make_output(scheduled, outranked + preempted)
+
+    @staticmethod
+    def _rank(req: Request) -> tuple:
+        """Priority order: smaller first (a lower priority value is more urgent, then FCFS)."""
+        return (req.priority, req.arrival_time)
+
+    def _preempt_outranked(self) -> list[Request]:
+        """Priority policy: when the most urgent waiting request cannot be admitted (no sequence
+        slot, or too few pages for its first chunk), running requests it outranks are preempted
+        (by recompute, least urgent first) until it can; then it is admitted in this step."""
+        preempted: list[Request] = []
+        if not self.waiting:
+            return preempted
+        head = self.waiting[0]
+        while self.running:
+            if len(self.running) < self.config.max_num_seqs and self._first_chunk_fits(head):
+                break
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time, r.admission_index))
+            if self._rank(victim) <= self._rank(head):
+                break
+            self._preempt(victim)
+            preempted.append(victim)
+        return preempted
+
+    def _first_chunk_fits(self, req: Request) -> bool:
+        """Whether `_try_admit` would find pages for `req`'s first chunk now (changes nothing)."""
+        ps = self.page_size
+        if self.pool.enable_prefix_caching:
+            extend_page_hashes(req.page_hashes, req.all_token_ids, ps, req.cache_salt)
+        hit_page_ids = self.pool.find_cached_prefix(req.page_hashes, (req.num_tokens - 1) // ps)
+        num_computed = len(hit_page_ids) * ps
+        num_new = min(req.num_tokens - num_computed, self.config.max_num_batched_tokens)
+        num_pages = (self._num_pages_for(num_computed + num_new) - len(hit_page_ids)
+                     + self.pool.num_evictable_among(hit_page_ids))
+        return num_pages <= self.pool.num_free_pages
 
     def _schedule_running(self, budget, scheduled, preempted) -> None:
         decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)

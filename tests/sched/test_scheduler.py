@@ -316,6 +316,51 @@ def test_priority_policy_admits_lowest_priority_value_first():
     assert [s.request.request_id for s in out.scheduled] == ["low"]
 
 
+def test_priority_preempts_outranked_running_requests_for_a_sequence_slot():
+    sched = Scheduler(make_config(max_num_seqs=2), 16, 32, (EOS,), policy="priority")
+    a = Request("a", prompt(3), SamplingParams(max_tokens=8, ignore_eos=True), arrival_time=0.0,
+                priority=5)
+    b = Request("b", prompt(3, 40), SamplingParams(max_tokens=8, ignore_eos=True),
+                arrival_time=1.0, priority=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    step_with(sched, [5, 5])
+    assert sched.running == [b, a]  # b first: more urgent
+    urgent = Request("u", prompt(3, 70), SamplingParams(max_tokens=2, ignore_eos=True),
+                     arrival_time=2.0, priority=0)
+    sched.add_request(urgent)
+    out, _ = step_with(sched, [6, 6])
+    assert out.preempted_request_ids == ["a"]  # the least urgent goes, the other keeps running
+    assert [s.request.request_id for s in out.scheduled] == ["b", "u"]
+    assert a.status is RequestStatus.PREEMPTED and a.page_ids == [] and sched.waiting[0] is a
+    assert a.output_token_ids == [5]  # kept: recomputed from prompt + output when it resumes
+    same_rank = Request("v", prompt(3, 90), SamplingParams(max_tokens=1), arrival_time=3.0,
+                        priority=3)
+    sched.add_request(same_rank)  # does not outrank b (same priority, later): nobody preempted
+    out, _ = step_with(sched, [7, 7])
+    assert out.preempted_request_ids == []
+    while sched.has_unfinished_requests():
+        step_with(sched, [8] * 4)
+    assert a.output_token_ids[:1] == [5] and len(a.output_token_ids) == 8
+    assert sched.pool.num_free_pages == 15
+
+
+def test_priority_preempts_for_pages_only_when_outranked():
+    # 7 usable pages of 4 tokens; two running requests of 11-token prompts hold 6 of them
+    sched = Scheduler(make_config(max_num_seqs=4, page_size=4, max_num_batched_tokens=32), 8, 28,
+                      (EOS,), policy="priority")
+    for i, pr in enumerate((5, 1)):
+        sched.add_request(Request(f"r{i}", prompt(11, 10 + 20 * i), SamplingParams(
+            max_tokens=4, ignore_eos=True), arrival_time=float(i), priority=pr))
+    step_with(sched, [5, 5])
+    assert sched.pool.num_free_pages == 1
+    late = Request("late", prompt(12, 80), SamplingParams(max_tokens=1), arrival_time=5.0, priority=3)
+    sched.add_request(late)
+    out, _ = step_with(sched, [6, 6])
+    assert out.preempted_request_ids == ["r0"]  # priority 5 < 3's claim; r1 (priority 1) stays
+    assert {s.request.request_id for s in out.scheduled} == {"r1", "late"}
+
+
 def test_stats_snapshot():
     sched = Scheduler(make_config(max_num_seqs=1), 16, 32, (EOS,))
     sched.add_request(make_request("a", prompt(6)))
