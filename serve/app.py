@@ -350,7 +350,7 @@ class _Server:
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output)
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
-                     "min_p", "repetition_penalty", "min_tokens"):
+                     "min_p", "repetition_penalty", "min_tokens", "spec_decode"):
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value

@@ -54,6 +54,7 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0  # lower runs first under the engine's "priority" policy
+    spec_decode: bool | None = None  # speculative decoding for this request (None: engine default)
 
     @field_validator("stop")
     @classmethod

@@ -165,3 +165,13 @@ def _step_errors(client) -> float:
         if line.startswith("jaxinfer_engine_step_errors_total "):
             return float(line.split()[1])
     raise AssertionError("no step error counter")
+
+
+def test_spec_decode_field_reaches_the_engine(client):
+    """The `spec_decode` extension is passed on: this engine has no speculative method, so asking
+    for it is a 400 naming the field; asking for no speculation is fine."""
+    req = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    r = client.post("/v1/completions", json={**req, "spec_decode": True})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "spec_decode"
+    assert client.post("/v1/completions", json={**req, "spec_decode": False}).status_code == 200
