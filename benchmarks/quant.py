@@ -6,7 +6,8 @@
     python benchmarks/quant.py --forward        # the model's decode forward alone, per format
 
 Model table: one row per weight format, float32 being the GGUF file dequantized (the file is
-Q4_1, so "int4-g32" is the file's own weights loaded as stored). Perplexity is over
+Q4_1, so "int4-g32" is the file's own weights loaded as stored; its token_embd / tied LM head is
+Q8_0, re-quantized for an int4 head). Perplexity is over
 tests/data/ppl_text.txt (jaxinfer.perplexity: chunked prefill through the paged cache, 512
 tokens a chunk, full left context); decode tokens/s go through jaxinfer.LLM (greedy,
 ignore_eos; every engine warmed up first, then the runs interleaved round-robin and the best of
@@ -47,6 +48,7 @@ class Row:
     engine_kwargs: dict
     requantize: dict | None = None  # QuantConfig fields: quantize the float model (no GGUF import)
     gguf_type: str | None = None  # re-quantize every Linear with gguf-py (llama.cpp's quantizer)
+    head: dict | None = None  # QuantConfig fields: then quantize the (float) LM head this way
     decode: bool = True
 
 
@@ -55,16 +57,25 @@ ROWS = [
     Row("int8", dict(quantization="int8")),
     Row("int8+head", dict(quantization="int8", quantize_lm_head=True)),
     Row("int4-g32 (Q4_1 as stored)", dict(quantization="int4")),
-    Row("int4-g32+head(int8)", dict(quantization="int4", quantize_lm_head=True)),
+    # the head follows the method: int4, GPTQ against the hidden states of random tokens
+    Row("int4-g32+head(int4 GPTQ)", dict(quantization="int4", quantize_lm_head=True)),
+    Row("int4-g32+head(int8)", dict(quantization="int4"), head=dict(method="int8"),
+        decode=False),
+    Row("int4-g32+head(int4 min/max)", dict(quantization="int4"),
+        head=dict(method="int4", search=False, lm_head_gptq=False), decode=False),
     Row("int4-g128", dict(quantization="int4", quant_group_size=128)),
-    Row("int4-g128+head(int8)", dict(quantization="int4", quant_group_size=128,
-                                     quantize_lm_head=True)),
-    Row("int4-g32+head(int4)", {}, dict(method="int4", quantize_lm_head=True,
-                                        lm_head_method="int4"), decode=False),
-    Row("int4-g32 asym, requantized", {}, dict(method="int4"), decode=False),
+    Row("int4-g128+head(int4 GPTQ)", dict(quantization="int4", quant_group_size=128,
+                                          quantize_lm_head=True)),
+    # every Linear re-quantized from the float weights (the file's Q4_1 values dequantized, so
+    # g32 asymmetric min/max gets them back exactly; the search keeps them too)
     Row("int4-g32 sym, requantized", {}, dict(method="int4", symmetric=True), decode=False),
+    Row("int4-g32 sym min/max, requant.", {}, dict(method="int4", symmetric=True, search=False),
+        decode=False),
     Row("  llama.cpp Q4_0, requant.", {}, gguf_type="Q4_0", decode=False),
     Row("int4-g64 asym, requantized", {}, dict(method="int4", group_size=64), decode=False),
+    Row("int4-g64 asym min/max, req.", {}, dict(method="int4", group_size=64, search=False),
+        decode=False),
+    Row("int4-g128 asym, requantized", {}, dict(method="int4", group_size=128), decode=False),
 ]
 
 
@@ -149,6 +160,9 @@ def model_table(args) -> None:
             model = quant.quantize_model(model, quant.QuantConfig(**row.requantize))
         if row.gguf_type:
             model = requantize_with_gguf(model, row.gguf_type)
+        if row.head:
+            model = quant.quantize_model(model, quant.QuantConfig(**row.head,
+                                                                  quantize_lm_head=True))
         load_s = time.perf_counter() - t0
         r = {"name": row.name, "bytes": weight_bytes(model), "load_s": load_s}
         r["ppl"] = perplexity(model, token_ids)

@@ -240,3 +240,30 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, layer, md: AttentionMetadata
         out = out[tile, local % q_tile]
     token_valid = jnp.arange(num_tokens) < cu_q_lens[-1]
     return jnp.where(token_valid[:, None, None], out, 0).astype(q.dtype)
+
+
+def quantized_matmul(x: jax.Array, qweight, *, backend: str = "auto") -> jax.Array:
+    """x: [..., K] @ a `quant.QuantizedWeight` [K, N] (int8 / int4, one matrix) -> [..., N] in
+    x.dtype. backend: "pallas" runs pallas_kernels/quant_matmul.py (interpret=True off the GPU),
+    "xla" dequantises inside the jit (quant.quantized_matmul), "auto" picks pallas on the GPU and
+    xla elsewhere. A layout the kernel does not handle (e.g. int4 g128 with K/2 not a multiple of
+    128) raises NotImplementedError there and runs on the XLA path, with a warning."""
+    from jaxinfer import quant
+
+    if backend not in BACKENDS:
+        raise ValueError(f"{backend=} must be one of {BACKENDS}")
+    if backend == "auto":
+        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+    k, n = qweight.shape
+    if backend == "pallas" and qweight.values.ndim == 2 and x.shape[-1] == k:
+        try:
+            from pallas_kernels.quant_matmul import quant_matmul as kernel
+
+            y = kernel(x.reshape(-1, k), qweight.values, qweight.scales, qweight.mins,
+                       bits=qweight.bits, group_size=qweight.group_size,
+                       interpret=jax.default_backend() != "gpu")  # [M, N]
+            return y.reshape(*x.shape[:-1], n)
+        except (ImportError, NotImplementedError) as e:
+            warnings.warn(f"pallas quant_matmul unavailable ({e!r}); using the XLA path",
+                          stacklevel=2)
+    return quant.quantized_matmul(x, qweight)

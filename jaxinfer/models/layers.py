@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxinfer import ops
 from jaxinfer.config import ModelConfig
-from jaxinfer.quant import QuantizedWeight, quantized_embedding, quantized_matmul
+from jaxinfer.quant import QuantizedWeight, quantized_embedding
 
 _INIT_STD = 0.02
 
@@ -120,12 +121,16 @@ class QuantizedLinear(Linear):
     """Linear over a `quant.QuantizedWeight` (int8 / int4): params values, scales (, mins) [, bias].
 
     Built from a float Linear by `jaxinfer.quant.quantize_model`; leading stacked dims ([L, ...])
-    are allowed, the scan over layers slices them before `matmul` runs.
+    are allowed, the scan over layers slices them before `matmul` runs. `backend` (static):
+    "auto" | "xla" | "pallas", how `ops.quantized_matmul` multiplies (quantize_model sets it
+    from the engine's attention_backend).
     """
 
-    def __init__(self, qweight, bias: nnx.Param | None = None, *, dtype=jnp.float32):
+    def __init__(self, qweight, bias: nnx.Param | None = None, *, dtype=jnp.float32,
+                 backend: str = "auto"):
         self.in_features, self.out_features = qweight.shape
         self.dtype = dtype
+        self.backend = backend
         self.bits, self.group_size = qweight.bits, qweight.group_size
         self.values = nnx.Param(qweight.values)
         self.scales = nnx.Param(qweight.scales)
@@ -139,15 +144,16 @@ class QuantizedLinear(Linear):
                                self.group_size, (self.in_features, self.out_features))
 
     def matmul(self, x: jax.Array) -> jax.Array:
-        return quantized_matmul(x.astype(self.dtype), self.qweight)
+        return ops.quantized_matmul(x.astype(self.dtype), self.qweight, backend=self.backend)
 
 
 class QuantizedEmbed(Embed):
     """Embed over a `quant.QuantizedWeight` stored in LM-head layout [features, num_embeddings],
     so the tied head is a plain quantized matmul and a lookup dequantizes only its columns."""
 
-    def __init__(self, qweight, *, dtype=jnp.float32):
+    def __init__(self, qweight, *, dtype=jnp.float32, backend: str = "auto"):
         self.dtype = dtype
+        self.backend = backend
         self.bits, self.group_size = qweight.bits, qweight.group_size
         self.features, self.num_embeddings = qweight.shape
         self.values = nnx.Param(qweight.values)
@@ -164,4 +170,16 @@ class QuantizedEmbed(Embed):
         return quantized_embedding(self.qweight, ids, self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return quantized_matmul(x.astype(self.dtype), self.qweight).astype(jnp.float32)
+        return ops.quantized_matmul(x.astype(self.dtype), self.qweight,
+                                    backend=self.backend).astype(jnp.float32)
+
+
+def set_quantized_matmul_backend(model: nnx.Module, backend: str) -> nnx.Module:
+    """Point every QuantizedLinear / QuantizedEmbed of `model` at `backend` (in place), e.g.
+    for a model restored from a pre-quantized checkpoint; returns the model."""
+    if backend not in ops.BACKENDS:
+        raise ValueError(f"{backend=} must be one of {ops.BACKENDS}")
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, (QuantizedLinear, QuantizedEmbed)):
+            module.backend = backend
+    return model
