@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Sequence
 
@@ -242,8 +243,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         step_inputs = list(warmup_step_inputs(self.engine_config, self.max_model_len,
                                               buckets=self.buckets))
-        for step_input in step_inputs:
-            self.runner.compile(step_input)
+        self.runner.compile(step_inputs, num_threads=min(4, os.cpu_count() or 1))
         self.runner.execute(step_inputs[0])  # all padding: touches only the null page
         logger.info("warm-up: %d executables in %.1f s", self.runner.num_compilations,
                     time.perf_counter() - t0)

@@ -62,10 +62,10 @@ def test_warmup_compiles_then_a_second_engine_loads(tiny_llama_dir, cache_root, 
     assert _outputs(first) == reference
     assert first.engine.metrics.num_compilations == n  # flat after warm-up
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="jaxinfer.runtime.runner"):
+    with caplog.at_level(logging.INFO):
         second = _cached_llm(tiny_llama_dir, cache_root, monkeypatch)
-    assert caplog.text.count("loaded a step for") == n
-    assert "compiled a step for" not in caplog.text
+    assert caplog.text.count("loaded a step for") == n, caplog.text[-3000:]
+    assert "compiled a step for" not in caplog.text, caplog.text[-3000:]
     assert _outputs(second) == reference
     assert second.engine.metrics.num_compilations == n
     assert "compiled a step for" not in caplog.text
@@ -88,6 +88,26 @@ def test_other_settings_miss(tiny_llama_dir, cache_root, monkeypatch, caplog):
         llm = _cached_llm(tiny_llama_dir, cache_root, monkeypatch, num_pages=40)
     assert "loaded a step for" not in caplog.text  # another KV pool: other shapes
     assert caplog.text.count("compiled a step for") == _num_buckets(llm)
+
+
+def test_draft_model_steps_load_too(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+    """The draft step (target + draft model, three donated caches) through the same path."""
+    from tests.tiny_models import save_tiny_model
+
+    draft_dir = save_tiny_model("llama", tmp_path / "draft", seed=1)
+    spec = dict(speculative_method="draft", draft_model=draft_dir, num_speculative_tokens=2,
+                spec_max_batched_tokens=16)
+    expected = _outputs(LLM(tiny_llama_dir, **SETTINGS, **spec))
+    first = _cached_llm(tiny_llama_dir, tmp_path / "cache", monkeypatch, **spec)
+    n = first.engine.metrics.num_compilations
+    assert n == _num_buckets(first)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        second = _cached_llm(tiny_llama_dir, tmp_path / "cache", monkeypatch, **spec)
+    assert caplog.text.count("loaded a step for") == n, caplog.text[-3000:]
+    assert "compiled a step for" not in caplog.text, caplog.text[-3000:]
+    assert _outputs(second) == expected
+    assert second.engine.metrics.num_compilations == n
 
 
 def test_step_key_covers_static_args_types_and_context():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -110,33 +111,46 @@ class ModelRunner:
         return out, draft_ids
 
     # -- ahead of time ----------------------------------------------------------------------
-    def compile(self, step_input) -> bool:
-        """Prepares the executable of this input's shape bucket without running it: loaded from
-        the executable cache (runtime/executable_cache.py) when it has it, else traced and
-        compiled (XLA's compile itself may hit JAX's persistent cache) and saved there. Returns
-        False if the bucket was ready already. `execute` then runs it with no trace or compile."""
+    def compile(self, step_inputs, num_threads: int = 1) -> int:
+        """Prepares the executables of these inputs' shape buckets without running them: each is
+        loaded from the executable cache (runtime/executable_cache.py) when it has it, else traced
+        and compiled (XLA's compile itself may hit JAX's persistent cache) and saved there.
+        `num_threads` > 1 overlaps one bucket's tracing (Python) with another's XLA compile.
+        `execute` then runs them with no trace or compile. Returns how many were new."""
+        pending = {}
+        for si in step_inputs:
+            signature = (si.pack()[1], self._flags(si))
+            if signature not in self._seen_signatures and signature not in pending:
+                pending[signature] = si
+        if num_threads > 1 and len(pending) > 1:
+            with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
+                results = list(pool.map(self._prepare, pending.values()))
+        else:
+            results = [self._prepare(si) for si in pending.values()]
+        for signature, (compiled, dt) in zip(pending, results):
+            self._executables[signature] = compiled
+            self._seen_signatures.add(signature)
+            self.num_compilations += 1
+            self.compile_seconds += dt
+        return len(pending)
+
+    def _prepare(self, step_input) -> tuple[jax.stages.Compiled, float]:
+        """(the Compiled step of this input's bucket, seconds); changes no state."""
+        t0 = time.perf_counter()
         flags = self._flags(step_input)
         buf, layout = step_input.pack()
-        signature = (layout, flags)
-        if signature in self._seen_signatures:
-            return False
-        t0 = time.perf_counter()
         args = self._step_args(jax.device_put(buf), np.bool_(False))
         cache, key, compiled, how = self._executable_cache, None, None, "loaded"
         if cache is not None:
-            key = cache.step_key(signature, args, self._cache_context)
+            key = cache.step_key((layout, flags), args, self._cache_context)
             compiled = cache.load(key, args)
         if compiled is None:
             compiled, how = self._step.lower(*args, layout, flags).compile(), "compiled"
             if cache is not None:
                 cache.save(key, compiled)
-        self._executables[signature] = compiled
-        self._seen_signatures.add(signature)
-        self.num_compilations += 1
         dt = time.perf_counter() - t0
-        self.compile_seconds += dt
         logger.info("%s a step for (T, S, P)=%s %s in %.2f s", how, step_input.shape, flags, dt)
-        return True
+        return compiled, dt
 
     def _flags(self, si) -> StepFlags:
         return StepFlags(attention_backend=self.attention_backend)
