@@ -4,8 +4,10 @@
 
 Engine settings come from EngineConfig's defaults, then a TOML preset (`--config FILE`, keys of
 EngineConfig at the top level or under [engine]), then the engine flags given on the command line.
-The JAX persistent compilation cache is on by default (`~/.cache/jaxinfer/jax`), so a second start
-skips the compiles of the first. SIGTERM/SIGINT: admissions stop at once (503), requests in flight
+The JAX persistent compilation cache is on by default (`~/.cache/jaxinfer/jax`), with jaxinfer's
+serialized steps beside it (runtime/executable_cache.py), so a second start neither compiles nor
+traces; a GGUF model's converted weights and tokenizer are cached too (`~/.cache/jaxinfer`, see
+jaxinfer/disk_cache.py; JAXINFER_NO_CACHE=1 turns those off). SIGTERM/SIGINT: admissions stop at once (503), requests in flight
 finish (up to --shutdown-timeout seconds), then the process exits with status 0.
 """
 
@@ -63,9 +65,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM")
     g.add_argument("--compilation-cache-dir", default=default_compilation_cache_dir(),
-                   help="JAX persistent compilation cache (default: %(default)s)")
+                   help="JAX persistent compilation cache and jaxinfer's compiled steps "
+                        "(default: %(default)s)")
     g.add_argument("--no-compilation-cache", action="store_true",
-                   help="do not read or write the persistent compilation cache")
+                   help="do not read or write the compilation caches")
     g.add_argument("--no-warmup", action="store_true",
                    help="skip compiling every shape bucket before /health turns 200")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
