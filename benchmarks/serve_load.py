@@ -129,6 +129,16 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
+def compilations(url: str, api_key: str | None) -> float | None:
+    """The server's `jaxinfer_compilations_total` from /metrics (None if it has none)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(f"{url}/metrics", headers=headers, timeout=30).text
+    for line in text.splitlines():
+        if line.startswith("jaxinfer_compilations_total "):
+            return float(line.split()[1])
+    return None
+
+
 def served_model(url: str) -> str:
     return httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
 
@@ -162,8 +172,10 @@ def main() -> int:
             print(f"ready after {t_ready:.1f} s")
         model = served_model(url)
         asyncio.run(warm_up(url, model, args.api_key))
+        compiled_before = compilations(url, args.api_key)
         stats, elapsed = asyncio.run(run_load(url, model, args.clients, args.duration,
                                               args.max_tokens, args.prompt_words, args.api_key))
+        compiled_after = compilations(url, args.api_key)
     finally:
         if proc is not None:
             stop_server(proc)
@@ -181,6 +193,9 @@ def main() -> int:
         ("ITL p99 (ms)", f"{pct(stats.itl, 99) * 1e3:.1f}"),
         ("TPOT p50 (ms)", f"{pct(stats.tpot, 50) * 1e3:.1f}"),
         ("TPOT p99 (ms)", f"{pct(stats.tpot, 99) * 1e3:.1f}"),
+        ("compilations (warm-up)", f"{compiled_before:.0f}" if compiled_before is not None else "?"),
+        ("compilations (load)", f"{compiled_after - compiled_before:.0f}"
+         if None not in (compiled_before, compiled_after) else "?"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -3,7 +3,7 @@
 Two steps, two Pythons:
 
     # 1. with the project's JAX: lower each kernel config for CUDA, keep the Triton IR (text)
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/triton_ttir.py dump /tmp/ttir
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/triton_ttir.py dump /tmp/ttir [NAME_PART]
     # 2. with any Python that has the `triton` wheel (it ships ptxas): TTIR -> TTGIR -> PTX -> cubin
     python benchmarks/triton_ttir.py compile /tmp/ttir
 
@@ -50,6 +50,16 @@ def _configs():
         return name, lambda: jax.jit(fn).trace(cache, cache, i32(), sds((T, hkv, d), dtype),
                                                sds((T, hkv, d), dtype), i32(T), *scales)
 
+    def qmm(name, *, m, k, n, bits, group_size, symmetric=True, dtype=jnp.bfloat16):
+        from pallas_kernels.quant_matmul import quant_matmul
+
+        rows = k if bits == 8 else k // 2
+        values = sds((rows, n), jnp.int8 if bits == 8 else jnp.uint8)
+        scales = sds((-(-k // group_size), n), jnp.float16)
+        mins = None if symmetric else scales
+        fn = functools.partial(quant_matmul, bits=bits, group_size=group_size, interpret=False)
+        return name, lambda: jax.jit(fn).trace(sds((m, k), dtype), values, scales, mins)
+
     bf16, f32 = jnp.bfloat16, jnp.float32
     return [
         rpa("decode_llama8b_bf16", T=64, S=64, P=512, hq=32, hkv=8, d=128, ps=16, dtype=bf16, max_q_len=1),
@@ -65,10 +75,16 @@ def _configs():
             max_q_len=1),
         kvw("write_kv_bf16", T=256, hkv=8, d=128, ps=16, dtype=bf16),
         kvw("write_kv_int8", T=256, hkv=3, d=64, ps=16, dtype=bf16, quantized=True),
+        qmm("qmm_int8_channel_smollm2", m=1, k=576, n=1536, bits=8, group_size=576, dtype=f32),
+        qmm("qmm_int8_g32_llama8b", m=32, k=4096, n=14336, bits=8, group_size=32),
+        qmm("qmm_int4_g32_sym_smollm2", m=1, k=1536, n=576, bits=4, group_size=32, dtype=f32),
+        qmm("qmm_int4_g32_asym_llama8b", m=64, k=14336, n=4096, bits=4, group_size=32,
+            symmetric=False),
+        qmm("qmm_int4_g128_llama8b", m=16, k=4096, n=4096, bits=4, group_size=128),
     ]
 
 
-def dump(out_dir: str) -> None:
+def dump(out_dir: str, only: str = "") -> None:
     from jax._src.pallas.triton import lowering, pallas_call_registration
 
     os.makedirs(out_dir, exist_ok=True)
@@ -83,6 +99,8 @@ def dump(out_dir: str) -> None:
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
     try:
         for name, trace in _configs():
+            if only not in name:
+                continue
             captured.clear()
             trace().lower(lowering_platforms=("cuda",))
             for i, asm in enumerate(captured):
@@ -128,7 +146,7 @@ if __name__ == "__main__":
         print(__doc__)
         sys.exit(2)
     if sys.argv[1] == "dump":
-        dump(sys.argv[2])
+        dump(sys.argv[2], *sys.argv[3:4])
     else:
         extra = [int(x) for x in sys.argv[3:5]]
         sys.exit(1 if compile_all(sys.argv[2], *extra) else 0)

@@ -25,7 +25,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-group-size", type=int, default=None, choices=[32, 64, 128],
                    help="int4 group size (default 32)")
     g.add_argument("--quantize-lm-head", action="store_true", default=None,
-                   help="also quantize the LM head / tied embeddings (int8)")
+                   help="also quantize the LM head / tied embeddings (in the same format: int8, or "
+                        "int4 with GPTQ for the head)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--speculative-method", default=None, choices=["ngram", "draft"])
     g.add_argument("--num-speculative-tokens", type=int, default=None)

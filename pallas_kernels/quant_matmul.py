@@ -11,8 +11,10 @@ kernels package does not depend on jaxinfer):
 Portable Pallas subset (pallas_call, BlockSpec, ref slicing, lax.fori_loop): a grid over
 (row tiles, column tiles); each program keeps its x rows [block_m, K] and weight columns
 [K or K/2, block_n] and loops over groups, accumulating in f32. Runs with interpret=True on the
-CPU (tests). The GPU lowering (Mosaic GPU by default, Triton with its compiler params) has not
-been run yet: no GPU was available when this was written.
+CPU (tests). On the GPU it lowers through Triton (its CompilerParams are the default: the Mosaic
+GPU lowering stages whole blocks with async copies of at most 256 elements a dimension, which
+these [block_m, K] blocks exceed); `benchmarks/triton_ttir.py` compiles it for sm_90 without a GPU.
+Not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -117,7 +119,9 @@ def quant_matmul(
     block_m: int | None = None,
     block_n: int = 64,
     interpret: bool | None = None,
-    compiler_params=None,
+    compiler_params=None,  # default: Triton's, num_warps=4, num_stages=2
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> jax.Array:  # [M, N] in x.dtype
     m, k, n = _validate(x, values, scales, mins, bits, group_size)
     per_channel = bits == 8 and group_size >= k
@@ -151,6 +155,10 @@ def quant_matmul(
     if not symmetric:
         in_specs.append(pl.BlockSpec((num_groups, block_n), lambda i, j: (0, j)))
         args.append(mins)
+    if compiler_params is None and not interpret:
+        from jax.experimental.pallas import triton as pl_triton
+
+        compiler_params = pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     extra = {} if compiler_params is None else {"compiler_params": compiler_params}
     out = pl.pallas_call(
         kernel,

@@ -156,7 +156,10 @@ def load_model(path_or_name: str | os.PathLike,
     from jaxinfer import quant_checkpoint
 
     if quant_checkpoint.is_quantized_checkpoint(path_or_name):  # `jaxinfer quantize` output
-        return quant_checkpoint.load_quantized(path_or_name)
+        from jaxinfer.models.layers import set_quantized_matmul_backend
+
+        config, model = quant_checkpoint.load_quantized(path_or_name)
+        return config, set_quantized_matmul_backend(model, engine_config.attention_backend)
     source = model_source(path_or_name)
     if (source.is_gguf and engine_config.quantization is None and disk_cache.cache_enabled()
             and os.path.getsize(source.file) >= weight_cache.MIN_SOURCE_BYTES):
