@@ -51,7 +51,8 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             for j in range(sp.n):
                 child = sp if sp.n == 1 else dataclasses.replace(
-                    sp, n=1, best_of=None, seed=None if sp.seed is None else sp.seed + j)
+                    sp, n=1, best_of=None, seed=None if sp.seed is None else sp.seed + j,
+                    prompt_logprobs=sp.prompt_logprobs if j == 0 else None)  # scored once
                 flat_prompts.append(p)
                 flat_params.append(child)
                 flat_priority.append(0 if priority is None else int(priority[i]))

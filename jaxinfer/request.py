@@ -118,6 +118,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[SampledLogprobs] = dataclasses.field(default_factory=list)
+    # sampling_params.prompt_logprobs: entry i for prompt token i (entry 0 None), filled as the
+    # prompt's chunks are computed
+    prompt_logprobs: list[SampledLogprobs | None] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are written (or being written this step)
     page_ids: list[int] = dataclasses.field(default_factory=list)  # page of position p: p // ps
     page_table_row: int = -1  # its row in the scheduler's PageTable while running
@@ -169,6 +172,15 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    def next_prompt_logprob_position(self) -> int | None:
+        """The position whose logits score the first prompt token not yet scored (token i is
+        scored by position i - 1; token 0 never is); None when prompt logprobs were not asked
+        for or are complete."""
+        if self.sampling_params.prompt_logprobs is None:
+            return None
+        scored = max(len(self.prompt_logprobs), 1)
+        return scored - 1 if scored < self.num_prompt_tokens else None
 
     def append_output_token(self, token_id: int, now: float) -> None:
         self.output_token_ids.append(token_id)
@@ -224,17 +236,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-
-    @classmethod
-    def from_request(cls, req: Request, text: str, prompt: str | None = None) -> "RequestOutput":
-        """A single-completion output of `req` with already-detokenized `text`."""
-        finished = req.is_finished()
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason(),
-            stop_reason=req.stop_reason,
-            logprobs=list(req.output_logprobs) if req.sampling_params.logprobs is not None else None,
-        )
-        return cls(req.request_id, prompt, req.prompt_token_ids, [completion], finished, req.metrics())
+    prompt_logprobs: list[Any] | None = None  # SamplingParams.prompt_logprobs: one per prompt
+    #   token (the first None), complete once the first output token is there

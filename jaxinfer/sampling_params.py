@@ -40,6 +40,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # [-2, 2]
     repetition_penalty: float = 1.0  # > 0; 1.0: off
     logprobs: int | None = None  # None: none; k: the sampled token's logprob + top k
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob + top k
+    #   (computes the whole prompt: no prefix-cache hits for the part not yet scored)
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -73,6 +75,10 @@ class SamplingParams:
         if self.logprobs is not None and (
                 not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs={self.logprobs!r} must be None or in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs={self.prompt_logprobs!r} must be None or in "
+                             f"[0, {MAX_LOGPROBS}]")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed={self.seed!r} must be an integer or None")
 

@@ -332,7 +332,8 @@ class _Server:
 
     # -- jobs -----------------------------------------------------------------------------------
     def _make_jobs(self, request_id: str, prompts: list[_Prompt], req, *, max_tokens: int | None,
-                   logprobs: int | None, prompt_param: str, max_tokens_param: str) -> list[_Job]:
+                   logprobs: int | None, prompt_param: str, max_tokens_param: str,
+                   prompt_logprobs: int | None = None) -> list[_Job]:
         num_choices = len(prompts) * req.n
         if num_choices > self.engine.max_waiting:
             raise APIError(400, f"this request asks for {num_choices} completions (prompts x n); "
@@ -347,6 +348,7 @@ class _Server:
         kw: dict[str, Any] = dict(
             n=1, max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, logit_bias=req.logit_bias, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output)
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
@@ -442,14 +444,12 @@ class _Server:
                 raise APIError(400, "best_of other than n is not supported", param="best_of")
             if req.suffix:
                 raise APIError(400, "suffix is not supported", param="suffix")
-            if req.echo and req.logprobs is not None:
-                raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)",
-                               param="echo")
             prompts = await self._completion_prompts(req.prompt)
             request_id = f"cmpl-{uuid.uuid4().hex}"
             jobs = self._make_jobs(request_id, prompts, req, max_tokens=req.max_tokens,
                                    logprobs=req.logprobs, prompt_param="prompt",
-                                   max_tokens_param="max_tokens")
+                                   max_tokens_param="max_tokens",
+                                   prompt_logprobs=req.logprobs if req.echo else None)
         except APIError as e:
             return self._error("completions", e)
         num_top = req.logprobs or 0
@@ -461,6 +461,18 @@ class _Server:
                   for j in jobs}
         created = int(time.time())
 
+        def logprobs_of(job, out, st: R.ChoiceState, entries: list) -> dict | None:
+            """The completions logprobs of `entries`, after the prompt's (echo) on first use."""
+            if not want_logprobs:
+                return None
+            parts = []
+            if req.echo and not st.started:
+                parts.append(R.echo_logprobs(job.prompt.token_ids, out.prompt_logprobs,
+                                             self._token_text, st, num_top))
+            st.started = True
+            parts.append(R.completion_logprobs(entries, self._token_text, st, num_top))
+            return R.merge_completion_logprobs(parts)
+
         def choice(job, out) -> dict | None:
             st = states[job.index]
             c = out.outputs[0]
@@ -469,7 +481,7 @@ class _Server:
                 return None
             text = st.prefix + new_text
             st.prefix = ""
-            lp = R.completion_logprobs(new_lps, self._token_text, st, num_top) if want_logprobs else None
+            lp = logprobs_of(job, out, st, new_lps)
             return {"index": job.index, "text": text, "logprobs": lp,
                     "finish_reason": st.finish_reason if c.finish_reason is not None else None}
 
@@ -493,8 +505,8 @@ class _Server:
             st = states[index]
             c = out.outputs[0]
             st.delta(c)
-            lp = (R.completion_logprobs(list(c.logprobs or [])[:len(c.token_ids)], self._token_text,
-                                        R.ChoiceState(index, 0), num_top) if want_logprobs else None)
+            lp = logprobs_of(job, out, R.ChoiceState(index, 0),
+                             list(c.logprobs or [])[:len(c.token_ids)])
             choices.append({"index": index, "text": st.prefix + c.text, "logprobs": lp,
                             "finish_reason": st.finish_reason, "stop_reason": c.stop_reason})
         self.metrics.requests.labels("completions", "ok").inc()

@@ -21,7 +21,7 @@ class ChoiceState:
     num_chars_sent: int = 0
     num_tokens_sent: int = 0
     text_offset: int = 0  # completions logprobs: offset of the next token's text
-    started: bool = False  # chat: the role chunk was sent
+    started: bool = False  # chat: the role chunk was sent; completions: the echo was sent
     finish_reason: str | None = None
     num_output_tokens: int = 0
     text: str = ""
@@ -76,6 +76,29 @@ def completion_logprobs(entries: list, token_text: TokenText, state: ChoiceState
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def echo_logprobs(prompt_token_ids: list[int], entries: list | None, token_text: TokenText,
+                  state: ChoiceState, num_top: int) -> dict:
+    """The prompt's part of `echo` with `logprobs` (completions shape): its first token has no
+    context, so its logprob and top_logprobs are null; `entries` is RequestOutput.prompt_logprobs
+    (one per prompt token, the first None)."""
+    entries = list(entries or [])
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for i, tid in enumerate(prompt_token_ids):
+        e = entries[i] if i < len(entries) else None
+        if e is None:
+            t = token_text(tid)
+            out["tokens"].append(t)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            out["text_offset"].append(state.text_offset)
+            state.text_offset += len(t)
+            continue
+        part = completion_logprobs([e], token_text, state, num_top)
+        for k in out:
+            out[k].extend(part[k])
+    return out
 
 
 def merge_completion_logprobs(parts: list[dict]) -> dict:

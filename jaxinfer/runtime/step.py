@@ -104,6 +104,11 @@ def _forward_and_sample(graphdef, state, kv_cache, buf, want_top_logprobs, layou
                              attention_backend=flags.attention_backend)  # hidden: [T, H]
     logits = model.compute_logits(hidden[logits_indices])  # f32[R, V]
     out = sample_any(logits, sampling, want_top_logprobs)
+    targets = unpack(buf, layout, _bitcast).get("target_token_ids")  # i32[R] | None
+    if targets is not None:  # prompt-logprob rows: the logprob of the given next prompt token
+        raw = jax.nn.log_softmax(logits, axis=-1)  # f32[R, V]
+        scored = jnp.take_along_axis(raw, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+        out = out._replace(logprobs=jnp.where(targets >= 0, scored, out.logprobs))
     return logits, sampling, md, out, kv_cache
 
 

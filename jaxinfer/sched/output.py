@@ -23,6 +23,9 @@ class ScheduledRequest:
     # (pages are held for their K/V: `Request.num_lookahead_tokens`).
     spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     num_lookahead: int = 0
+    # Prompt logprobs (SamplingParams.prompt_logprobs): the last new tokens whose logits score the
+    # next prompt token, one row each, before the sampled row (if any). Never with drafts.
+    num_prompt_rows: int = 0
 
     @property
     def kv_len(self) -> int:
@@ -31,8 +34,11 @@ class ScheduledRequest:
 
     @property
     def num_rows(self) -> int:
-        """Sampled rows: one per verified position (1 + drafts); 1 otherwise (ignored unless
-        `samples`)."""
+        """Rows of logits: one per verified position (1 + drafts); the prompt-logprob rows, then
+        the sampled one if `samples`; else 1 (ignored unless `samples`). Rows are the item's last
+        new tokens."""
+        if self.num_prompt_rows:
+            return self.num_prompt_rows + self.samples
         return 1 + len(self.spec_token_ids)
 
     @property

@@ -270,7 +270,11 @@ class Scheduler:
         if self.pool.enable_prefix_caching:
             extend_page_hashes(req.page_hashes, req.all_token_ids, ps, req.cache_salt)
         # Leave at least the last known token to compute, so the step yields its logits.
-        hit_page_ids = self.pool.find_cached_prefix(req.page_hashes, (req.num_tokens - 1) // ps)
+        max_hit_pages = (req.num_tokens - 1) // ps
+        scored_from = req.next_prompt_logprob_position()
+        if scored_from is not None:  # prompt logprobs: compute every position not yet scored
+            max_hit_pages = min(max_hit_pages, scored_from // ps)
+        hit_page_ids = self.pool.find_cached_prefix(req.page_hashes, max_hit_pages)
         num_computed = len(hit_page_ids) * ps
         num_new = min(req.num_tokens - num_computed, budget.num_tokens)
         lookahead = (self._draft_lookahead(req, req.num_tokens)
@@ -311,7 +315,18 @@ class Scheduler:
         budget.num_seqs -= 1
         return ScheduledRequest(req, start, num_new, samples=samples,
                                 spec_token_ids=req.spec_token_ids if spec_ids else [],
-                                num_lookahead=lookahead)
+                                num_lookahead=lookahead,
+                                num_prompt_rows=self._num_prompt_rows(req, start, num_new))
+
+    @staticmethod
+    def _num_prompt_rows(req: Request, start: int, num_new: int) -> int:
+        """Positions in [start, start + num_new) whose logits score a prompt token not yet
+        scored: a suffix of the chunk (before its sampled position, if it samples)."""
+        scored_from = req.next_prompt_logprob_position()
+        if scored_from is None:
+            return 0
+        assert scored_from >= start, f"{req.request_id=}: prompt position {scored_from} skipped"
+        return max(0, min(start + num_new, req.num_prompt_tokens - 1) - scored_from)
 
     def _make_output(self, scheduled, preempted) -> SchedulerOutput:
         num_batched_tokens = sum(s.num_new_tokens for s in scheduled)
@@ -349,6 +364,9 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING or (
                     req.num_computed_tokens != item.num_computed_tokens + item.num_new_tokens):
                 continue  # finished or aborted after schedule()
+            if item.num_prompt_rows:
+                self._record_prompt_logprobs(item, rows, first_row)
+                first_row += item.num_prompt_rows  # the sampled row, if any
             if not item.samples:
                 if req.num_computed_tokens // self.page_size > req.num_registered_pages:
                     self._cache_full_pages(req)
@@ -373,6 +391,21 @@ class Scheduler:
         if sched_out.scheduled:
             self.num_steps += 1
         return changed
+
+    @staticmethod
+    def _record_prompt_logprobs(item: ScheduledRequest, rows: "_RunnerRows", first_row: int) -> None:
+        """The prompt-logprob rows' values: each row's logprob is that of the next prompt token
+        (the step scores `StepInput.target_token_ids`), with the row's top-k."""
+        req = item.request
+        if not rows.has_logprobs:
+            raise ValueError("prompt logprobs need a runner output with logprobs")
+        if not req.prompt_logprobs:
+            req.prompt_logprobs.append(None)  # the first prompt token has no context
+        k = req.sampling_params.prompt_logprobs
+        first_pos = item.kv_len - item.num_rows  # position of the first row
+        for i in range(item.num_prompt_rows):
+            token_id = req.prompt_token_ids[first_pos + i + 1]
+            req.prompt_logprobs.append(rows.logprobs(first_row + i, token_id, k))
 
     def _verified(self, item: ScheduledRequest, row_tokens: list[int]) -> list[int]:
         """A verifying item's emitted tokens; counts drafts and acceptances, informs the policy."""

@@ -19,6 +19,11 @@ K = num_speculative_tokens columns) tell the step which rows to verify against w
 draft_* arrays (a draft-model engine, every step) say how many drafts each sequence's draft model
 proposes for the next step. So a (T, S) has two layouts: with and without verification.
 
+Prompt logprobs: a prefill chunk of a request that asked for them has one row per position whose
+logits score a prompt token (its last new tokens), then its sampled row; `target_token_ids` names
+each such row's prompt token and the step returns that token's logprob there (R = T when the rows
+outnumber S, as for verification; these layouts compile on first use).
+
 One host->device copy: `StepInput.pack()` gives one i32 buffer and a static layout;
 `unpack(buf, layout, bitcast)` slices it back (numpy or jnp; f32/u32 fields are bitcast).
 Layout: the arrays of `_ARRAY_FIELDS` in that order (optional ones only when present), each
@@ -184,6 +189,9 @@ class StepInput:
     output_token_ids: np.ndarray | None = None  # i32[R, Wo] -1 padded (all penalties)
     bias_token_ids: np.ndarray | None = None  # i32[R, B] -1 padded (values 0 there): add, never set
     bias_values: np.ndarray | None = None  # f32[R, B] logit_bias, and -inf on EOS/stop ids < min_tokens
+    # prompt logprobs (None unless some row scores a prompt token)
+    target_token_ids: np.ndarray | None = None  # i32[R] the next prompt token, whose logprob the
+    #   row returns instead of its sampled token's; -1: an ordinary row
     # speculative verification (None unless some sequence verifies drafts)
     spec_row_ids: np.ndarray | None = None  # i32[Sv, K+1] rows of each verified position; R = padding
     spec_draft_ids: np.ndarray | None = None  # i32[Sv, K] drafts, -1 padded
@@ -233,8 +241,8 @@ _SPEC_FIELDS = ("spec_row_ids", "spec_draft_ids", "spec_num_draft", "spec_seq_id
 _DRAFT_FIELDS = ("draft_k", "seq_rows", "seq_store_rows")
 _ARRAY_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_indices",
                  "num_seqs", "logits_indices") + _SAMPLING_FIELDS + (
-                    "prompt_token_ids", "output_token_ids", "bias_token_ids", "bias_values"
-                ) + _SPEC_FIELDS + _DRAFT_FIELDS
+                    "prompt_token_ids", "output_token_ids", "bias_token_ids", "bias_values",
+                    "target_token_ids") + _SPEC_FIELDS + _DRAFT_FIELDS
 
 
 def unpack(buf: Any, layout: PackedLayout, bitcast: Callable[[Any, str], Any]) -> dict[str, Any]:
@@ -265,8 +273,10 @@ def make_step_input(sched_out: SchedulerOutput, engine_config: EngineConfig, max
     si.sample_positions[:si.num_rows] = si.positions[si.logits_indices[:si.num_rows]] + 1
     _fill_sampling(si, sched_out, rows)
     _fill_optional(si, sched_out, rows)
-    if rows.num_rows != len(items):
+    if any(it.spec_token_ids for it in items):
         _fill_spec(si, items, rows, engine_config.num_speculative_tokens)
+    if any(it.num_prompt_rows for it in items):
+        _fill_prompt_targets(si, items, rows)
     if engine_config.speculative_method == "draft":
         _fill_draft(si, items, rows, engine_config.max_num_seqs)
     return si
@@ -394,7 +404,7 @@ def _fill_sampling(si: StepInput, sched_out: SchedulerOutput, rows: _Rows) -> No
         a[:n] = values
         if r != n:
             a[:r] = a[:n][rows.item]
-    top_logprobs = [sp.logprobs for sp in sps if sp.logprobs is not None]
+    top_logprobs = [k for sp in sps for k in (sp.logprobs, sp.prompt_logprobs) if k is not None]
     si.needs_logprobs = bool(top_logprobs)
     si.num_top_logprobs = max(top_logprobs, default=0)
     si.all_greedy = bool(np.all(si.temperature[:r] == 0.0))
@@ -402,8 +412,10 @@ def _fill_sampling(si: StepInput, sched_out: SchedulerOutput, rows: _Rows) -> No
 
 def _fill_optional(si: StepInput, sched_out: SchedulerOutput, rows: _Rows) -> None:
     items, num_rows = sched_out.scheduled, si.seeds.shape[0]
-    # a row `offset` drafts into a verification sees those drafts as already generated
-    row_items = [(items[i], int(j)) for i, j in zip(rows.item, rows.offset)]
+    # a row `offset` drafts into a verification sees those drafts as already generated (other
+    # rows of an item, prompt-logprob rows, share its sampled row's state)
+    row_items = [(items[i], int(j) if items[i].spec_token_ids else 0)
+                 for i, j in zip(rows.item, rows.offset)]
     if any(it.request.sampling_params.has_penalties for it in items):
         si.prompt_token_ids = _pad_rows([it.request.prompt_token_ids for it, _ in row_items],
                                         num_rows)
@@ -438,6 +450,17 @@ def _fill_spec(si: StepInput, items, rows: _Rows, k: int) -> None:
         si.spec_num_draft[v] = len(drafts)
         si.spec_seq_ids[v] = i
         si.spec_store_rows[v] = items[i].request.page_table_row
+
+
+def _fill_prompt_targets(si: StepInput, items, rows: _Rows) -> None:
+    """target_token_ids: a prompt-logprob row at position p scores prompt token p + 1."""
+    si.target_token_ids = np.full(si.seeds.shape[0], -1, np.int32)
+    for i, it in enumerate(items):
+        if it.num_prompt_rows:
+            first_pos = it.kv_len - it.num_rows  # the item's rows are its last new tokens
+            prompt = it.request.prompt_token_ids
+            si.target_token_ids[rows.starts[i]:rows.starts[i] + it.num_prompt_rows] = \
+                prompt[first_pos + 1:first_pos + 1 + it.num_prompt_rows]
 
 
 def _fill_draft(si: StepInput, items, rows: _Rows, max_num_seqs: int) -> None:

@@ -387,3 +387,46 @@ def test_outputs_do_not_depend_on_batching_preemption_or_prefix_hits():
     for (rid, p, sp), r in zip(specs, reqs):
         assert r.output_token_ids == solo_outputs(p, max_model_len=40, **sp), rid
     assert h.sched.pool.num_used_pages == 0
+
+
+def test_prompt_logprob_rows_across_chunks_and_no_prefix_hit():
+    """prompt_logprobs: every chunk has one row per position that scores a prompt token (its
+    last new tokens; position p scores token p + 1), then the sampled row; the step input names
+    each row's target token; a cached prefix is not used for the part not yet scored."""
+    import types
+
+    from jaxinfer.sched.step_input import make_step_input
+
+    config = make_config(max_num_batched_tokens=8)
+    sched = Scheduler(config, 16, 32, (EOS,))
+    p = prompt(20)
+    sched.add_request(make_request("warm", p, max_tokens=1))  # caches 4 full pages of p
+    while sched.has_unfinished_requests():
+        step_with(sched, [5])
+    req = make_request("a", p, max_tokens=1, prompt_logprobs=2)
+    sched.add_request(req)
+    layout = []
+    while sched.has_unfinished_requests():
+        out = sched.schedule()
+        (it,) = out.scheduled
+        si = make_step_input(out, config, 32)
+        n = it.num_rows
+        rows = si.logits_indices[:n]
+        assert si.positions[rows].tolist() == list(range(it.kv_len - n, it.kv_len))
+        assert si.target_token_ids[:it.num_prompt_rows].tolist() == \
+            p[it.kv_len - n + 1:it.kv_len - n + 1 + it.num_prompt_rows]
+        assert (si.target_token_ids[it.num_prompt_rows:] == -1).all()
+        layout.append((it.num_computed_tokens, it.num_new_tokens, it.num_prompt_rows, it.samples))
+        result = types.SimpleNamespace(  # logprob of row r: -r - position / 100
+            token_ids=np.full(n, 7, np.int32),
+            logprobs=-(np.arange(n) + si.positions[rows] / 100).astype(np.float32),
+            top_token_ids=np.tile(np.array([3, 4], np.int32), (n, 1)),
+            top_logprobs=np.tile(np.array([-0.5, -0.7], np.float32), (n, 1)))
+        sched.update(out, result)
+        sched.check_invariants()
+    assert layout == [(0, 8, 8, False), (8, 8, 8, False), (16, 4, 3, True)]
+    assert req.prompt_logprobs[0] is None and len(req.prompt_logprobs) == 20
+    for i, e in enumerate(req.prompt_logprobs[1:]):  # token i + 1, scored at position i
+        assert e.token_id == p[i + 1] and e.top_token_ids == [3, 4]
+        assert e.logprob == pytest.approx(-(i % 8) - i / 100)
+    assert req.output_token_ids == [7]

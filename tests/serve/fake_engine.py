@@ -202,8 +202,13 @@ class FakeEngine:
             logprobs=list(r.logprobs) if r.params.logprobs is not None else None)
         metrics = RequestMetrics(r.arrival_time, None, None, None, None, len(r.prompt_token_ids),
                                  len(r.output_token_ids), 0, 0)
+        prompt_lps = None
+        if r.params.prompt_logprobs is not None:  # token i: logprob -i/10, its own id the top one
+            k = r.params.prompt_logprobs
+            prompt_lps = [None] + [SampledLogprobs(t, -i / 10, [t][:k], [-i / 10][:k])
+                                   for i, t in enumerate(r.prompt_token_ids[1:], 1)]
         return RequestOutput(r.request_id, None, r.prompt_token_ids, [completion],
-                             r.finish_reason is not None, metrics)
+                             r.finish_reason is not None, metrics, prompt_logprobs=prompt_lps)
 
     def _free(self, r: _Req) -> None:
         self._used_pages -= r.num_pages

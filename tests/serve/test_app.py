@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 import httpx
+import numpy as np
 import pytest
 
 from jaxinfer.async_engine import AsyncEngine
@@ -116,6 +117,33 @@ def test_completion_echo(client):
     body = client.post("/v1/completions", json={"prompt": "Hey", "max_tokens": 2, "echo": True,
                                                 "temperature": 0}).json()
     assert body["choices"][0]["text"] == "Hey" + greedy(TOK.encode("Hey"), 2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_echo_with_logprobs(client, stream):
+    """echo + logprobs: the prompt's tokens come first (the first with null logprob and top),
+    then the output's; text offsets run on across both."""
+    prompt = "Hey you"
+    ids = TOK.encode(prompt)
+    req = {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0}
+    if stream:
+        chunks = sse_events(client.post("/v1/completions", json={**req, "stream": True}).text)[:-1]
+        parts = [c["choices"][0]["logprobs"] for c in chunks
+                 if c["choices"] and c["choices"][0]["logprobs"]]
+        lp = {k: [x for p in parts for x in p[k]] for k in parts[0]}
+        text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    else:
+        body = client.post("/v1/completions", json=req).json()
+        lp, text = body["choices"][0]["logprobs"], body["choices"][0]["text"]
+    assert text == prompt + greedy(ids, 3)
+    n = len(ids)
+    assert len(lp["tokens"]) == n + 3
+    assert lp["token_logprobs"][:n] == [None] + [pytest.approx(-i / 10) for i in range(1, n)]
+    assert lp["token_logprobs"][n:] == [-0.25] * 3
+    assert lp["top_logprobs"][0] is None
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    offsets = np.cumsum([0] + [len(t) for t in lp["tokens"]])[:-1].tolist()
+    assert lp["text_offset"] == offsets
 
 
 def test_completion_stop_string(client):

@@ -31,6 +31,9 @@ def refs(tiny_llm):
         "stop": stop,
         "stopped": tiny_llm.generate([PROMPT], stopped, use_tqdm=False)[0],
         "completion": tiny_llm.generate([PROMPT], greedy, use_tqdm=False)[0],
+        "scored": tiny_llm.generate([PROMPT], SamplingParams(
+            max_tokens=2, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1),
+            use_tqdm=False)[0],
         "chat": tiny_llm.generate([chat_ids], greedy, use_tqdm=False)[0],
         "seeded": [o.outputs[0].text for o in tiny_llm.generate([PROMPT, PROMPT], seeded,
                                                                 use_tqdm=False)],
@@ -68,6 +71,22 @@ def test_completion_equals_python_api(client, refs):
         "stream": True}).text)
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == ref.text
+
+
+def test_echo_logprobs_equal_prompt_logprobs(client, refs):
+    """echo + logprobs: the prompt's logprobs are the Python API's `prompt_logprobs`."""
+    ref = refs["scored"]
+    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "echo": True,
+                                                "logprobs": 1, "temperature": 0,
+                                                "ignore_eos": True}).json()
+    lp = body["choices"][0]["logprobs"]
+    n = len(ref.prompt_token_ids)
+    assert body["choices"][0]["text"] == PROMPT + ref.outputs[0].text
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:n] == pytest.approx(
+        [e.logprob for e in ref.prompt_logprobs[1:]], abs=1e-5)
+    assert lp["token_logprobs"][n:] == pytest.approx(
+        [e.logprob for e in ref.outputs[0].logprobs], abs=1e-5)
 
 
 def test_stop_string_equals_python_api(client, refs):
