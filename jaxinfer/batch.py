@@ -1,34 +1,59 @@
-"""Batch jobs over JSONL files.
+"""Batch jobs over JSONL files, answered by the OpenAI server's own routes (in process).
 
 Each input line is either an OpenAI batch line
   {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
 or a plain request {"id"?: ..., "prompt" | "messages": ..., "max_tokens"?: ..., "temperature"?: ...}.
-Each output line carries the id, the generated text, token counts and finish reason, or an error for
-that line alone (a bad line never stops the job).
+
+Every line goes through the same validation, chat template, sampling and response building as
+`jaxinfer serve` (n, logprobs, echo, logit_bias, stop, seed...), over one continuous batch: the
+lines are posted to the app through httpx's ASGI transport, many at once, so the engine keeps its
+batch full. The model named in a line is ignored: the job runs the model it was given.
+
+Output, one line per input line, in input order:
+- an OpenAI batch line gets OpenAI's batch output line
+  {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}
+  (a 4xx answer is a response with that status; a line that cannot be read gets "error");
+- a plain line gets {"custom_id", "text", "finish_reason", "usage"} (the first choice), or
+  {"custom_id", "error": {"message", "line"}}.
+A bad line never stops the job; the exit code is 1 when some line failed.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import os
 import sys
+import uuid
 
-from jaxinfer.sampling_params import SamplingParams
-
-_PARAM_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-               "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-               "ignore_eos", "stop_token_ids")
+_URLS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+_RETRY_S = 0.05  # a 503 (waiting queue full) is retried after this long
 
 
-def parse_line(line: str, index: int) -> tuple[str, dict, str]:
-    """Returns (custom_id, body, kind) where kind is "chat" or "completion"."""
+@dataclasses.dataclass(frozen=True)
+class BatchLine:
+    index: int
+    custom_id: str
+    kind: str  # "chat" | "completion"
+    body: dict
+    openai: bool  # an OpenAI batch line (else a plain request)
+
+
+def parse_line(line: str, index: int) -> BatchLine:
     obj = json.loads(line)
     if not isinstance(obj, dict):
         raise ValueError("a line must be a JSON object")
-    if "body" in obj:
+    openai = "body" in obj
+    if openai:
         custom_id = str(obj.get("custom_id", index))
         body = obj["body"]
-        kind = "chat" if "chat" in obj.get("url", "/v1/chat/completions") else "completion"
+        url = obj.get("url", _URLS["chat"])
+        if url not in _URLS.values():
+            raise ValueError(f"url {url!r} must be one of {sorted(_URLS.values())}")
+        kind = "chat" if url == _URLS["chat"] else "completion"
+        if not isinstance(body, dict):
+            raise ValueError("'body' must be a JSON object")
     else:
         custom_id = str(obj.get("id", obj.get("custom_id", index)))
         body = obj
@@ -37,14 +62,7 @@ def parse_line(line: str, index: int) -> tuple[str, dict, str]:
         raise ValueError("a chat line needs 'messages'")
     if kind == "completion" and "prompt" not in body:
         raise ValueError("a completion line needs 'prompt'")
-    return custom_id, body, kind
-
-
-def sampling_params_from_body(body: dict) -> SamplingParams:
-    kw = {k: body[k] for k in _PARAM_KEYS if k in body and body[k] is not None}
-    if "max_completion_tokens" in body and body["max_completion_tokens"] is not None:
-        kw["max_tokens"] = body["max_completion_tokens"]
-    return SamplingParams(**kw)
+    return BatchLine(index, custom_id, kind, body, openai)
 
 
 def run_batch(input_path: str, output_path: str, model: str, engine_kwargs: dict) -> int:
@@ -55,44 +73,104 @@ def run_batch(input_path: str, output_path: str, model: str, engine_kwargs: dict
     return run_batch_with(LLM(model, **engine_kwargs), input_path, output_path)
 
 
-def run_batch_with(llm, input_path: str, output_path: str, *, use_tqdm: bool = True) -> int:
-    """Runs every line through one continuous batch; returns 0, or 1 when some line failed."""
+def run_batch_with(llm, input_path: str, output_path: str, *, use_tqdm: bool = True,
+                   max_in_flight: int = 1024) -> int:
+    """Runs every line of `input_path` through `llm`'s engine; returns 0, or 1 when some line
+    failed. At most `max_in_flight` lines are posted at once (the rest wait their turn)."""
     with open(input_path) as f:
         lines = [ln for ln in f if ln.strip()]
-    engine = llm.engine
-    results: dict[int, dict] = {}
-    rid_to_line: dict[str, tuple[int, str]] = {}
-    for i, line in enumerate(lines):
-        custom_id = str(i)
-        try:
-            custom_id, body, kind = parse_line(line, i)
-            params = sampling_params_from_body(body)
-            prompt = (llm.tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True)
-                      if kind == "chat" else body["prompt"])
-            rid = f"batch-{i}"
-            engine.add_request(rid, prompt, params)
-            rid_to_line[rid] = (i, custom_id)
-        except (ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
-            results[i] = {"custom_id": custom_id, "error": {"message": str(e), "line": i + 1}}
-    from tqdm.auto import tqdm
-
-    with tqdm(total=len(rid_to_line), desc="batch", disable=not use_tqdm) as bar:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished and out.request_id in rid_to_line:
-                    i, custom_id = rid_to_line[out.request_id]
-                    c = out.outputs[0]
-                    results[i] = {
-                        "custom_id": custom_id,
-                        "text": c.text,
-                        "finish_reason": c.finish_reason,
-                        "usage": {"prompt_tokens": len(out.prompt_token_ids),
-                                  "completion_tokens": len(c.token_ids)},
-                    }
-                    bar.update(1)
+    results = asyncio.run(_run(llm, lines, use_tqdm, max_in_flight))
     with open(output_path, "w") as f:
-        for i in range(len(lines)):
-            f.write(json.dumps(results[i]) + "\n")
-    num_errors = sum("error" in r for r in results.values())
+        for r in results:
+            f.write(json.dumps(r) + "\n")
+    num_errors = sum(_failed(r) for r in results)
     print(f"{len(lines) - num_errors} done, {num_errors} failed -> {output_path}", file=sys.stderr)
     return 0 if num_errors == 0 else 1
+
+
+async def _run(llm, lines: list[str], use_tqdm: bool, max_in_flight: int) -> list[dict]:
+    import httpx
+    from tqdm.auto import tqdm
+
+    from jaxinfer.async_engine import AsyncEngine
+    from serve.app import create_app
+
+    model_name = "batch"
+    engine = AsyncEngine(llm.engine, max_waiting=max(max_in_flight, 1), warmup=False)
+    app = create_app(engine, served_model_name=model_name)
+    slots = asyncio.Semaphore(max_in_flight)
+    await engine.wait_ready()
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://batch",
+                                     timeout=None) as client:
+            with tqdm(total=len(lines), desc="batch", disable=not use_tqdm) as bar:
+
+                async def one(i: int, text: str) -> dict:
+                    async with slots:
+                        result = await _answer(client, i, text, model_name)
+                    bar.update(1)
+                    return result
+
+                return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(lines))))
+    finally:
+        await engine.shutdown()
+
+
+async def _answer(client, index: int, text: str, model_name: str) -> dict:
+    try:
+        line = parse_line(text, index)
+    except (ValueError, KeyError, json.JSONDecodeError) as e:
+        custom_id = _custom_id_of(text, index)
+        if _looks_openai(text):
+            return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+                    "response": None, "error": {"code": "invalid_request", "message": str(e)}}
+        return {"custom_id": custom_id, "error": {"message": str(e), "line": index + 1}}
+    body = {**line.body, "model": model_name, "stream": False}
+    body.pop("stream_options", None)
+    while True:
+        r = await client.post(_URLS[line.kind], json=body)
+        if r.status_code != 503:
+            break
+        await asyncio.sleep(_RETRY_S)  # the waiting queue is full: the engine is busy
+    answer = r.json()
+    if line.openai:
+        return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
+                "response": {"status_code": r.status_code, "request_id": answer.get("id"),
+                             "body": answer},
+                "error": None}
+    if r.status_code != 200:
+        return {"custom_id": line.custom_id,
+                "error": {"message": answer["error"]["message"], "line": index + 1}}
+    choice = answer["choices"][0]
+    return {"custom_id": line.custom_id,
+            "text": choice["message"]["content"] if line.kind == "chat" else choice["text"],
+            "finish_reason": choice["finish_reason"],
+            "usage": {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens")}}
+
+
+def _failed(result: dict) -> bool:
+    if result.get("error") is not None:
+        return True
+    response = result.get("response")
+    return response is not None and response["status_code"] != 200
+
+
+def _looks_openai(text: str) -> bool:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and "body" in obj
+
+
+def _custom_id_of(text: str, index: int) -> str:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return str(index)
+    if not isinstance(obj, dict):
+        return str(index)
+    if "body" in obj:
+        return str(obj.get("custom_id", index))
+    return str(obj.get("id", obj.get("custom_id", index)))
