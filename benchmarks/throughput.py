@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--num-pages", type=int, default=2048)
     ap.add_argument("--skip-static", action="store_true")
+    ap.add_argument("--modes", default="continuous,static",
+                    help="comma-separated modes to run (e.g. static alone, to finish a long run)")
     ap.add_argument("--dummy", action="store_true",
                     help="random weights of the model's shapes (MODEL = a directory with config.json "
                          "and tokenizer files, e.g. configs/models/smollm2-135m-shapes): the same "
@@ -105,7 +107,7 @@ def main() -> None:
     print(f"warm-up {time.perf_counter() - t0:.0f} s, "
           f"{llm.engine.runner.num_compilations} executables", flush=True)
     eng = llm.engine
-    modes = ["continuous"] if args.skip_static else ["continuous", "static"]
+    modes = [m for m in args.modes.split(",") if not (args.skip_static and m == "static")]
     for mode in modes:
         ec = dataclasses.replace(eng.engine_config, scheduling=mode)
         eng.scheduler = Scheduler(ec, eng.num_pages, eng.max_model_len,
@@ -133,7 +135,7 @@ def main() -> None:
         ratio = f"{r['out_tok_s'] / base:.2f}x" if base else "n/a"
         print(f"{mode:>11} | {r['out_tok_s']:9.1f} | {r['seconds']:8.1f} | {r['kv_util']:7.1%} | "
               f"{r['ttft_mean']:11.2f} | {r['preemptions']:7d} | {ratio}")
-    if "static" in results:
+    if "static" in results and "continuous" in results:
         same = results["static"]["tokens"] == results["continuous"]["tokens"]
         print(f"greedy tokens identical across modes: {same}")
     on, off = results["prefix"]
