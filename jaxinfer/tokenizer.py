@@ -161,6 +161,45 @@ def _load_gguf_tokenizer(folder: str, name: str):
     except OSError as e:
         raise ValueError(f"cannot load a tokenizer from the GGUF file {name!r} in {folder!r} "
                          f"({e})") from None
+    except ImportError as e:  # transformers' GGUF metadata reader imports torch (not ours to need)
+        if "torch" not in str(e) and "torch" not in str(e.__cause__):
+            raise
+        logger.info("transformers' GGUF reader needs torch; reading the metadata with gguf")
+        return gguf_tokenizer_without_torch(os.path.join(folder, name))
+
+
+def gguf_tokenizer_without_torch(gguf_path: str):
+    """transformers' GGUF tokenizer conversion, fed from the `gguf` package's reader instead of
+    transformers' own (whose module imports torch, a dependency the server must not have). Mirrors
+    `transformers.integrations.gguf.gguf_tokenizer_mapping.get_gguf_tokenizer`, whose conversion
+    tables it reuses; tests check it equals the transformers path."""
+    import gguf
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+
+    reader = gguf.GGUFReader(gguf_path)
+    full_arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+
+    def value(key: str):
+        field = reader.fields[key]
+        if (field.types[:2] == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
+                and key not in full_arrays):
+            return len(field.data)  # as transformers' reader: other string arrays as a count
+        return field.contents()
+
+    metadata = {k: value(k) for k in reader.fields if k.startswith(("tokenizer.", "general.arch"))}
+    architecture = metadata["general.architecture"]
+    grouped = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
+                       if f"tokenizer.{key}" in metadata}
+               for group, renames in mapping.GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer_dict, config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        config.setdefault("add_bos_token", True)
+    for special, key in mapping._SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        config[special] = tokenizer_dict["tokens"][token_id] if token_id is not None else None
+    backend, extra = mapping.convert_gguf_tokenizer(architecture, tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
 
 
 def _load_saved_tokenizer(directory: str):

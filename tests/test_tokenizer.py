@@ -224,3 +224,47 @@ def test_streaming_stop_across_token_boundaries(tok):
             sent = full
         assert (sent, matched) == (want, want_stop)
     assert tokenizer_module._PROMPT_CONTEXT_TOKENS >= 1
+
+
+def test_gguf_tokenizer_without_torch_equals_transformers(smollm2_gguf):
+    """The server has no torch; transformers' GGUF reader imports it. The fallback reads the
+    metadata with `gguf` and must give the same tokenizer as transformers' own path."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from jaxinfer.tokenizer import gguf_tokenizer_without_torch
+
+    folder, name = os.path.split(smollm2_gguf)
+    ours = gguf_tokenizer_without_torch(smollm2_gguf)
+    ref = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    for text in ["Hello, world!", "  two spaces\n\ttab", "<|im_start|>user\nhi<|im_end|>",
+                 "日本語 émoji 🙂", "x" * 50]:
+        assert ours.encode(text) == ref.encode(text), text
+        assert ours.decode(ours.encode(text)) == ref.decode(ref.encode(text))
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert (ours.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            == ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
+    assert (len(ours), ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
+        len(ref), ref.bos_token_id, ref.eos_token_id, ref.pad_token_id)
+
+
+def test_gguf_tokenizer_loads_where_torch_is_missing(smollm2_gguf):
+    """In a process where `import torch` fails (as in the server's venv), the GGUF tokenizer
+    still loads (no cache) and renders the chat template."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from jaxinfer.tokenizer import Tokenizer\n"
+        f"t = Tokenizer.from_source({smollm2_gguf!r})\n"
+        "ids = t.apply_chat_template([{'role': 'user', 'content': 'Hi'}], add_generation_prompt=True)\n"
+        "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n"
+        "print(len(ids), t.decode(ids).endswith('assistant\\n'))\n")
+    env = {**__import__("os").environ, "JAXINFER_NO_CACHE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    n, ends = out.stdout.split()[-2:]
+    assert int(n) > 5 and ends == "True"
