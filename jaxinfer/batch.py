@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import uuid
+from typing import Any
 
 _URLS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _RETRY_S = 0.05  # a 503 (waiting queue full) is retried after this long
@@ -40,13 +41,21 @@ class BatchLine:
     openai: bool  # an OpenAI batch line (else a plain request)
 
 
-def parse_line(line: str, index: int) -> BatchLine:
-    obj = json.loads(line)
+def line_identity(obj: Any, index: int) -> tuple[str, bool]:
+    """(custom_id, whether it is an OpenAI batch line) of a line's parsed JSON, even a bad one."""
+    if not isinstance(obj, dict):
+        return str(index), False
+    if "body" in obj:
+        return str(obj.get("custom_id", index)), True
+    return str(obj.get("id", obj.get("custom_id", index))), False
+
+
+def parse_line(obj: Any, index: int) -> BatchLine:
+    """A line's parsed JSON -> BatchLine; ValueError naming what is wrong with it."""
     if not isinstance(obj, dict):
         raise ValueError("a line must be a JSON object")
-    openai = "body" in obj
+    custom_id, openai = line_identity(obj, index)
     if openai:
-        custom_id = str(obj.get("custom_id", index))
         body = obj["body"]
         url = obj.get("url", _URLS["chat"])
         if url not in _URLS.values():
@@ -55,7 +64,6 @@ def parse_line(line: str, index: int) -> BatchLine:
         if not isinstance(body, dict):
             raise ValueError("'body' must be a JSON object")
     else:
-        custom_id = str(obj.get("id", obj.get("custom_id", index)))
         body = obj
         kind = "chat" if "messages" in obj else "completion"
     if kind == "chat" and "messages" not in body:
@@ -118,11 +126,13 @@ async def _run(llm, lines: list[str], use_tqdm: bool, max_in_flight: int) -> lis
 
 
 async def _answer(client, index: int, text: str, model_name: str) -> dict:
+    obj = None
     try:
-        line = parse_line(text, index)
-    except (ValueError, KeyError, json.JSONDecodeError) as e:
-        custom_id = _custom_id_of(text, index)
-        if _looks_openai(text):
+        obj = json.loads(text)
+        line = parse_line(obj, index)
+    except (ValueError, KeyError) as e:  # json.JSONDecodeError is a ValueError
+        custom_id, openai = line_identity(obj, index)
+        if openai:
             return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
                     "response": None, "error": {"code": "invalid_request", "message": str(e)}}
         return {"custom_id": custom_id, "error": {"message": str(e), "line": index + 1}}
@@ -154,23 +164,3 @@ def _failed(result: dict) -> bool:
         return True
     response = result.get("response")
     return response is not None and response["status_code"] != 200
-
-
-def _looks_openai(text: str) -> bool:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        return False
-    return isinstance(obj, dict) and "body" in obj
-
-
-def _custom_id_of(text: str, index: int) -> str:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        return str(index)
-    if not isinstance(obj, dict):
-        return str(index)
-    if "body" in obj:
-        return str(obj.get("custom_id", index))
-    return str(obj.get("id", obj.get("custom_id", index)))

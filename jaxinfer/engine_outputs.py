@@ -109,7 +109,7 @@ def token_output(req: Request, prompt: str | None) -> RequestOutput:
     return RequestOutput(request_id=req.request_id, prompt=prompt,
                          prompt_token_ids=req.prompt_token_ids, outputs=[completion],
                          finished=finished, metrics=req.metrics(),
-                         prompt_logprobs=(list(req.prompt_logprobs) or [None]
+                         prompt_logprobs=((list(req.prompt_logprobs) or [None])
                                           if req.sampling_params.prompt_logprobs is not None
                                           else None))
 

@@ -66,7 +66,11 @@ def _bitcast(x: jax.Array, dtype: str) -> jax.Array:
 
 def unpack_step(buf: jax.Array, layout: PackedLayout):
     """i32[n] packed buffer -> (input_ids, positions, AttentionMetadata, logits_indices, sampling)."""
-    f = unpack(buf, layout, _bitcast)
+    return _step_parts(unpack(buf, layout, _bitcast))
+
+
+def _step_parts(f: dict):
+    """The unpacked fields -> (input_ids, positions, AttentionMetadata, logits_indices, sampling)."""
     md = AttentionMetadata(
         slot_mapping=f["slot_mapping"], cu_q_lens=f["cu_q_lens"], kv_lens=f["kv_lens"],
         page_indices=f["page_indices"], num_seqs=f["num_seqs"],
@@ -99,15 +103,16 @@ def unpack_spec(buf: jax.Array, layout: PackedLayout) -> tuple[SpecInputs | None
 def _forward_and_sample(graphdef, state, kv_cache, buf, want_top_logprobs, layout, flags):
     """The target's forward over the packed batch, its logits at the sampled rows, and a sample."""
     model = nnx.merge(graphdef, state)
-    input_ids, positions, md, logits_indices, sampling = unpack_step(buf, layout)
+    fields = unpack(buf, layout, _bitcast)
+    input_ids, positions, md, logits_indices, sampling = _step_parts(fields)
     hidden, kv_cache = model(input_ids, positions, kv_cache, md,
                              attention_backend=flags.attention_backend)  # hidden: [T, H]
     logits = model.compute_logits(hidden[logits_indices])  # f32[R, V]
     out = sample_any(logits, sampling, want_top_logprobs)
-    targets = unpack(buf, layout, _bitcast).get("target_token_ids")  # i32[R] | None
+    targets = fields.get("target_token_ids")  # i32[R] | None
     if targets is not None:  # prompt-logprob rows: the logprob of the given next prompt token
-        raw = jax.nn.log_softmax(logits, axis=-1)  # f32[R, V]
-        scored = jnp.take_along_axis(raw, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+        picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
+        scored = picked - jax.nn.logsumexp(logits, axis=-1)  # f32[R]
         out = out._replace(logprobs=jnp.where(targets >= 0, scored, out.logprobs))
     return logits, sampling, md, out, kv_cache
 

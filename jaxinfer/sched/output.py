@@ -41,6 +41,11 @@ class ScheduledRequest:
             return self.num_prompt_rows + self.samples
         return 1 + len(self.spec_token_ids)
 
+    def prompt_row_targets(self) -> list[int]:
+        """The prompt token each prompt-logprob row scores: the row at position p scores p + 1."""
+        first = self.kv_len - self.num_rows  # position of the item's first row
+        return self.request.prompt_token_ids[first + 1:first + 1 + self.num_prompt_rows]
+
     @property
     def token_ids(self) -> list[int]:
         known = self.request.all_token_ids[self.num_computed_tokens:self.kv_len]

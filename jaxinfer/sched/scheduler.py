@@ -402,9 +402,7 @@ class Scheduler:
         if not req.prompt_logprobs:
             req.prompt_logprobs.append(None)  # the first prompt token has no context
         k = req.sampling_params.prompt_logprobs
-        first_pos = item.kv_len - item.num_rows  # position of the first row
-        for i in range(item.num_prompt_rows):
-            token_id = req.prompt_token_ids[first_pos + i + 1]
+        for i, token_id in enumerate(item.prompt_row_targets()):
             req.prompt_logprobs.append(rows.logprobs(first_row + i, token_id, k))
 
     def _verified(self, item: ScheduledRequest, row_tokens: list[int]) -> list[int]:

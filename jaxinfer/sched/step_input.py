@@ -457,10 +457,8 @@ def _fill_prompt_targets(si: StepInput, items, rows: _Rows) -> None:
     si.target_token_ids = np.full(si.seeds.shape[0], -1, np.int32)
     for i, it in enumerate(items):
         if it.num_prompt_rows:
-            first_pos = it.kv_len - it.num_rows  # the item's rows are its last new tokens
-            prompt = it.request.prompt_token_ids
-            si.target_token_ids[rows.starts[i]:rows.starts[i] + it.num_prompt_rows] = \
-                prompt[first_pos + 1:first_pos + 1 + it.num_prompt_rows]
+            start = rows.starts[i]
+            si.target_token_ids[start:start + it.num_prompt_rows] = it.prompt_row_targets()
 
 
 def _fill_draft(si: StepInput, items, rows: _Rows, max_num_seqs: int) -> None:

@@ -61,6 +61,7 @@ def test_completion_equals_python_api(client, refs):
     assert body["usage"]["prompt_tokens"] == len(refs["completion"].prompt_token_ids)
     got = choice["logprobs"]["token_logprobs"]
     assert got == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-5)
+    assert len(choice["logprobs"]["top_logprobs"]) == len(ref.logprobs) == 8
     for top, e in zip(choice["logprobs"]["top_logprobs"], ref.logprobs):
         # keyed by token text: ids that decode alike (byte pieces -> U+FFFD) share an entry
         assert 1 <= len(top) <= 3
