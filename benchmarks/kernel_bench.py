@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.runtime.kv_cache import AttentionMetadata
+from jaxinfer.ops.kv_cache import AttentionMetadata
 from pallas_kernels.kv_write import quantize_kv, write_kv, write_kv_reference
 from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
@@ -125,10 +125,10 @@ def run_checks(interpret: bool, lowering: str, big: bool) -> list[dict]:
                 v_cache, vs = quantize_kv(jnp.nan_to_num(b.v_cache))
                 scales = dict(k_scale=ks, v_scale=vs)
             sm = 1 / math.sqrt(kw["head_dim"])
-            out = ragged_paged_attention(b.q, k_cache, v_cache, jnp.int32(1), b.md, sm_scale=sm,
+            out = _rpa(b.q, k_cache, v_cache, jnp.int32(1), b.md, sm_scale=sm,
                                          interpret=interpret, lowering=lowering, **call_kw, **scales)
             ref_kw = {k: v for k, v in call_kw.items() if k in ("sliding_window", "soft_cap")}
-            ref = ragged_paged_attention_reference(b.q, k_cache, v_cache, 1, b.md, sm_scale=sm, **ref_kw, **scales)
+            ref = ragged_paged_attention_reference(b.q, k_cache, v_cache, 1, *_layout(b.md), sm_scale=sm, **ref_kw, **scales)
             out_np = np.asarray(out.astype(jnp.float32))
             err = rel_err(out_np, ref.astype(jnp.float32), b.num_tokens_real)
             ok = bool(err < tol and not np.isnan(out_np).any() and (out_np[b.num_tokens_real:] == 0).all())
@@ -206,13 +206,24 @@ def make_prefill(num_seqs: int, tokens: int, sh: Shapes, seed: int = 0):
     return q, k_cache, v_cache, md
 
 
+def _layout(md: AttentionMetadata) -> tuple:
+    """The kernels' batch-layout arguments (kv_lens, page_indices, cu_q_lens, num_seqs)."""
+    return md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs
+
+
+def _rpa(q, k_cache, v_cache, layer, md: AttentionMetadata, **kw):
+    """The Pallas kernel with the XLA path's signature (metadata as one pytree)."""
+    return ragged_paged_attention(q, k_cache, v_cache, layer, *_layout(md), **kw)
+
+
 def _xla_impl():
     try:
-        from jaxinfer.ops import ragged_paged_attention_xla
+        from jaxinfer.ops.xla_attention import ragged_paged_attention_xla
 
         return "xla(ops)", ragged_paged_attention_xla
     except ImportError:
-        return "xla(reference)", ragged_paged_attention_reference
+        return "xla(reference)", lambda q, k, v, layer, md, **kw: ragged_paged_attention_reference(
+            q, k, v, layer, *_layout(md), **kw)
 
 
 def _jax_paged_attention():
@@ -243,7 +254,7 @@ def bench_decode(sh: Shapes, *, interpret: bool, lowering: str, min_time: float,
             row["kv_mb"] = kv_bytes / 1e6
             args = (q, k_cache, v_cache, jnp.int32(0), md)
             impls = {
-                "rpa": (jax.jit(functools.partial(ragged_paged_attention, sm_scale=sm_scale, max_q_len=1,
+                "rpa": (jax.jit(functools.partial(_rpa, sm_scale=sm_scale, max_q_len=1,
                                                   interpret=interpret, lowering=lowering)), args),
                 xla_name: (jax.jit(functools.partial(xla_fn, sm_scale=sm_scale)), args),
             }
@@ -294,7 +305,7 @@ def bench_prefill(sh: Shapes, *, interpret: bool, lowering: str, min_time: float
         q, k_cache, v_cache, md = make_prefill(num_seqs, tokens, sh)
         flops = 4 * num_seqs * sh.num_q_heads * sh.head_dim * tokens * (tokens + 1) / 2  # causal QK + PV
         for name, fn in {
-            "rpa": jax.jit(functools.partial(ragged_paged_attention, sm_scale=sm_scale, interpret=interpret,
+            "rpa": jax.jit(functools.partial(_rpa, sm_scale=sm_scale, interpret=interpret,
                                              lowering=lowering)),
             xla_name: jax.jit(functools.partial(xla_fn, sm_scale=sm_scale)),
         }.items():

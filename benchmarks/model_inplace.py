@@ -43,7 +43,7 @@ def main():
 
     from jaxinfer.config import EngineConfig
     from jaxinfer.models.loader import load_model
-    from jaxinfer.runtime.kv_cache import AttentionMetadata, allocate_kv_cache
+    from jaxinfer.ops.kv_cache import AttentionMetadata, allocate_kv_cache
 
     config, model = load_model(args.model, EngineConfig(load_format="dummy", dtype=args.dtype))
     graphdef, state = nnx.split(model)

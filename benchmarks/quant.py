@@ -31,7 +31,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxinfer import quant  # noqa: E402
-from jaxinfer.perplexity import perplexity  # noqa: E402
+from jaxinfer.models import quantize  # noqa: E402
+from jaxinfer.models.perplexity import perplexity  # noqa: E402
 
 TEXT = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "ppl_text.txt")
 PROMPTS = [
@@ -157,11 +158,11 @@ def model_table(args) -> None:
         t0 = time.perf_counter()
         _, model = load_model(args.model, EngineConfig(**row.engine_kwargs))
         if row.requantize:
-            model = quant.quantize_model(model, quant.QuantConfig(**row.requantize))
+            model = quantize.quantize_model(model, quantize.QuantConfig(**row.requantize))
         if row.gguf_type:
             model = requantize_with_gguf(model, row.gguf_type)
         if row.head:
-            model = quant.quantize_model(model, quant.QuantConfig(**row.head,
+            model = quantize.quantize_model(model, quantize.QuantConfig(**row.head,
                                                                   quantize_lm_head=True))
         load_s = time.perf_counter() - t0
         r = {"name": row.name, "bytes": weight_bytes(model), "load_s": load_s}
@@ -304,7 +305,7 @@ def forward_table(args) -> None:
 
     from jaxinfer.config import EngineConfig
     from jaxinfer.models.loader import load_model
-    from jaxinfer.runtime.kv_cache import AttentionMetadata, allocate_kv_cache
+    from jaxinfer.ops.kv_cache import AttentionMetadata, allocate_kv_cache
 
     rows = [r for r in ROWS if r.decode]
     runs = {}

@@ -27,7 +27,6 @@ def _configs():
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.runtime.kv_cache import AttentionMetadata
     from pallas_kernels.kv_write import write_kv
     from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
@@ -35,13 +34,13 @@ def _configs():
     i32 = lambda *s: sds(s, jnp.int32)  # noqa: E731
 
     def rpa(name, *, T, S, P, hq, hkv, d, ps, dtype, kv_dtype=None, **kw):
-        md = AttentionMetadata(i32(T), i32(S + 1), i32(S), i32(S, P), i32(1))
+        layout = (i32(S), i32(S, P), i32(S + 1), i32(1))  # kv_lens, page_indices, cu_q_lens, num_seqs
         kv = sds((2, S * P + 1, ps, hkv, d), kv_dtype or dtype)
         extra = {}
         if kv_dtype == jnp.int8:
             extra = dict(k_scale=sds(kv.shape[:4], jnp.float32), v_scale=sds(kv.shape[:4], jnp.float32))
         fn = functools.partial(ragged_paged_attention, sm_scale=d ** -0.5, interpret=False, **kw)
-        return name, lambda: jax.jit(fn).trace(sds((T, hq, d), dtype), kv, kv, i32(), md, **extra)
+        return name, lambda: jax.jit(fn).trace(sds((T, hq, d), dtype), kv, kv, i32(), *layout, **extra)
 
     def kvw(name, *, T, hkv, d, ps, dtype, quantized=False):
         cache = sds((2, 64, ps, hkv, d), jnp.int8 if quantized else dtype)

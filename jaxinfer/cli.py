@@ -90,7 +90,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     import time
 
     from jaxinfer.config import EngineConfig
-    from jaxinfer.quant_checkpoint import quantize_checkpoint
+    from jaxinfer.models.loader import quantize_checkpoint
 
     if args.quantization is None:
         raise ValueError("quantize needs --quantization int8 or int4")
@@ -104,7 +104,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     import os
 
     from jaxinfer.config import EngineConfig
-    from jaxinfer.perplexity import eval_ppl
+    from jaxinfer.models.perplexity import eval_ppl
 
     if not os.path.isfile(args.text):
         raise ValueError(f"--text {args.text!r} does not exist")

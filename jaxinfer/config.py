@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+import types
+import typing
+from typing import Any, Literal
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
-_GGUF_ARCHITECTURES = ("llama", "qwen2")  # general.architecture values we read
-_REQUIRED = object()
 
 _HF_ARCH_TO_NAME = {
     "LlamaForCausalLM": "llama",
@@ -82,6 +82,21 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able fields (what `from_dict` reads back)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """The inverse of `to_dict` (after a JSON round trip: lists back to tuples)."""
+        d = dict(d)
+        if d.get("rope_scaling") is not None:
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        if d.get("rope_freq_factors") is not None:
+            d["rope_freq_factors"] = tuple(d["rope_freq_factors"])
+        return cls(**d)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -177,132 +192,57 @@ class ModelConfig:
                 raise ValueError(f"{cfg_path!r} is not valid JSON: {e}") from None
         return cls.from_hf_dict(d)
 
-    @classmethod
-    def from_gguf(cls, path: str | os.PathLike) -> "ModelConfig":
-        """From the metadata of a .gguf file (llama and qwen2 architectures)."""
-        from jaxinfer.models.gguf_file import open_gguf  # lazy: gguf is only needed for GGUF
 
-        return cls.from_gguf_reader(open_gguf(path))
-
-    @classmethod
-    def from_gguf_reader(cls, reader) -> "ModelConfig":
-        """From an open `gguf.GGUFReader` (so a loader parses the file once)."""
-        from jaxinfer.models.gguf_file import gguf_field, gguf_tensor_f32
-
-        arch = gguf_field(reader, "general.architecture")
-        if arch not in _GGUF_ARCHITECTURES:
-            raise ValueError(
-                f"architecture={arch!r} is not supported in GGUF files; "
-                f"supported: {', '.join(_GGUF_ARCHITECTURES)}")
-
-        def key(name, default=_REQUIRED):
-            value = gguf_field(reader, f"{arch}.{name}", None)
-            if value is None:
-                if default is _REQUIRED:
-                    raise ValueError(f"GGUF metadata is missing the key {arch}.{name!r}")
-                return default
-            return value
-
-        tensor_names = {t.name for t in reader.tensors}
-        hidden_size = int(key("embedding_length"))
-        num_heads = int(key("attention.head_count"))
-        num_kv_heads = key("attention.head_count_kv", num_heads)
-        if isinstance(num_kv_heads, list):  # per-layer counts (some converters): must agree
-            if len(set(num_kv_heads)) != 1:
-                raise ValueError(f"per-layer head_count_kv={num_kv_heads} is not supported")
-            num_kv_heads = num_kv_heads[0]
-        head_dim = int(key("attention.key_length", hidden_size // num_heads))
-        rotary_dim = int(key("rope.dimension_count", head_dim))
-        if rotary_dim != head_dim:
-            raise ValueError(f"partial rotary embedding ({rotary_dim=}, {head_dim=}) is not supported")
-
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        if tokens is not None:
-            vocab_size = len(tokens.data)
-        elif key("vocab_size", None) is not None:
-            vocab_size = int(key("vocab_size"))
-        else:
-            embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-            if embd is None:
-                raise ValueError("GGUF file has neither a token list nor token_embd.weight")
-            vocab_size = int(embd.shape[-1])
-
-        rope_scaling = None
-        scaling_type = key("rope.scaling.type", "none")
-        if scaling_type == "linear":
-            rope_scaling = RopeScaling(rope_type="linear", factor=float(key("rope.scaling.factor")))
-        elif scaling_type not in ("none", None):
-            raise ValueError(f"rope scaling type {scaling_type!r} is not supported")
-        rope_freq_factors = None
-        if "rope_freqs.weight" in tensor_names:
-            factors = gguf_tensor_f32(reader, "rope_freqs.weight").reshape(-1)
-            rope_freq_factors = tuple(float(x) for x in factors)
-
-        eos_ids = []
-        for name in ("eos_token_id", "eot_token_id", "eom_token_id"):
-            token_id = gguf_field(reader, f"tokenizer.ggml.{name}", None)
-            if token_id is not None and int(token_id) not in eos_ids:
-                eos_ids.append(int(token_id))
-        bos = gguf_field(reader, "tokenizer.ggml.bos_token_id", None)
-        sliding = key("attention.sliding_window", None)
-        return cls(
-            architecture=arch,
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=int(key("feed_forward_length")),
-            num_layers=int(key("block_count")),
-            num_heads=num_heads,
-            num_kv_heads=int(num_kv_heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(key("context_length", 4096)),
-            tie_word_embeddings="output.weight" not in tensor_names,
-            attention_bias="blk.0.attn_q.bias" in tensor_names,
-            sliding_window=int(sliding) if sliding else None,
-            bos_token_id=int(bos) if bos is not None else None,
-            eos_token_ids=tuple(eos_ids),
-            rope_freq_factors=rope_freq_factors,
-        )
+Backend = Literal["auto", "xla", "pallas"]  # auto: Pallas on a GPU, XLA elsewhere (ops.resolve_backend)
+DType = Literal["float32", "bfloat16", "float16"]
+KVCacheDType = Literal["float32", "bfloat16", "float16", "int8"]
+Quantization = Literal["int8", "int4"]
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Engine settings. Frozen: it is passed to jitted functions as a static argument."""
+    """Engine settings. Frozen: it is passed to jitted functions as a static argument.
 
-    page_size: int = 16
-    num_pages: int | None = None  # None: derived from kv_memory_fraction
-    # Of the free device memory after the weights are loaded. None: 0.85 on an accelerator; on the
-    # CPU 0.15 of available RAM (the KV pool is allocated up front; the host needs the rest).
+    One line per setting: its name, type, default and a comment that is the setting's help text
+    (the command-line flags are generated from this class; see jaxinfer/config_args.py). A
+    Literal type lists the allowed values, and construction refuses any other with ValueError.
+    """
+
+    page_size: int = 16  # tokens per KV page (a power of two)
+    num_pages: int | None = None  # KV pages in the pool (default: from kv_memory_fraction)
+    # Of the free device memory after the weights are loaded (default: 0.85 on an accelerator;
+    # on the CPU 0.15 of available RAM, since the KV pool is allocated up front)
     kv_memory_fraction: float | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    dtype: str = "float32"  # activations/weights compute dtype: float32 | bfloat16
-    kv_cache_dtype: str | None = None  # None: same as dtype; int8: per-token scales (~half of bf16)
-    attention_backend: str = "auto"  # auto | xla | pallas
-    enable_prefix_caching: bool = True
-    scheduling: str = "continuous"  # continuous | static
-    scheduling_policy: str = "fcfs"  # fcfs | priority (lower `priority` first; it may preempt)
-    quantization: str | None = None  # None | int8 | int4 (weights; see jaxinfer/quant.py)
-    quant_group_size: int = 32  # int4: 32 | 64 | 128 rows of K per scale
-    quantize_lm_head: bool = False  # also quantize the LM head / tied embedding table
-    load_format: str = "auto"  # auto | dummy
-    seed: int = 0
+    max_num_seqs: int = 64  # sequences in one step at most
+    max_num_batched_tokens: int = 512  # tokens in one step at most (prefill chunks included)
+    max_model_len: int | None = None  # context length (default: the model's)
+    dtype: DType = "float32"  # weights and activations
+    kv_cache_dtype: KVCacheDType | None = None  # KV cache (default: dtype); int8 is ~half of bf16
+    attention_backend: Backend = "auto"  # kernels: pallas on a GPU, xla elsewhere when auto
+    enable_prefix_caching: bool = True  # reuse the KV pages of prompts seen before
+    scheduling: Literal["continuous", "static"] = "continuous"  # batching
+    # fcfs, or priority (a lower `priority` runs first and may preempt)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    quantization: Quantization | None = None  # weight quantization
+    quant_group_size: Literal[32, 64, 128] = 32  # int4: rows of K per scale
+    # also quantize the LM head / tied embeddings (int8, or int4 with GPTQ)
+    quantize_lm_head: bool = False
+    load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights of the model's shapes
+    seed: int = 0  # seeds of requests that bring none
     # Speculative decoding (jaxinfer/spec_decode.py; the policy in jaxinfer/sched/spec_policy.py)
-    speculative_method: str | None = None  # None | "ngram" (prompt lookup) | "draft" (a model)
-    num_speculative_tokens: int = 4  # k: the most drafts verified per request per step
-    ngram_min: int = 2  # n-gram prompt lookup tries n = ngram_max .. ngram_min
-    ngram_max: int = 4
-    draft_model: str | None = None  # "draft": a model sharing the target's tokenizer
-    draft_quantization: str | None = None  # None | int8 | int4 (weights of the draft)
-    # decode + draft tokens a step may verify (sched/spec_policy.py); None: measured by warmup()
-    # (the largest step whose time stays within 1.5x a one-token step), 64 until then
+    speculative_method: Literal["ngram", "draft"] | None = None  # ngram: prompt lookup
+    num_speculative_tokens: int = 4  # the most drafts verified per request per step
+    ngram_min: int = 2  # n-gram prompt lookup tries n = ngram_max down to ngram_min
+    ngram_max: int = 4  # see ngram_min
+    draft_model: str | None = None  # speculative_method draft: a model sharing the tokenizer
+    draft_quantization: Quantization | None = None  # weights of the draft model
+    # decode + draft tokens one step may verify (default: measured at warm-up: the largest step
+    # whose time stays within 1.5x a one-token step)
     spec_max_batched_tokens: int | None = None
     spec_min_accept_prob: float = 0.3  # the j-th draft is proposed while alpha**j >= this
 
     def __post_init__(self):
+        _check_choices(self)
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a positive power of two")
         if self.num_pages is not None and self.num_pages < 2:
@@ -313,29 +253,6 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be positive")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
-        if self.kv_cache_dtype not in (None, "float32", "bfloat16", "float16", "int8"):
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be None, float32, "
-                             "bfloat16, float16 or int8")
-        if self.attention_backend not in ("auto", "xla", "pallas"):
-            raise ValueError(f"attention_backend={self.attention_backend!r} must be auto, xla or pallas")
-        if self.scheduling not in ("continuous", "static"):
-            raise ValueError(f"scheduling={self.scheduling!r} must be continuous or static")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} must be fcfs or priority")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization={self.quantization!r} must be None, int8 or int4")
-        if self.quant_group_size not in (32, 64, 128):
-            raise ValueError(f"quant_group_size={self.quant_group_size} must be 32, 64 or 128")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format={self.load_format!r} must be auto or dummy")
-        self._check_speculative()
-
-    def _check_speculative(self) -> None:
-        if self.speculative_method not in (None, "ngram", "draft"):
-            raise ValueError(
-                f"speculative_method={self.speculative_method!r} must be None, 'ngram' or 'draft'")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 16]")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -343,9 +260,34 @@ class EngineConfig:
                              "satisfy 1 <= ngram_min <= ngram_max")
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValueError("speculative_method='draft' needs draft_model (a path or model name)")
-        if self.draft_quantization not in (None, "int8", "int4"):
-            raise ValueError(f"draft_quantization={self.draft_quantization!r} must be None, int8 or int4")
         if self.spec_max_batched_tokens is not None and self.spec_max_batched_tokens < 0:
             raise ValueError(f"spec_max_batched_tokens={self.spec_max_batched_tokens} must be >= 0")
         if not 0.0 <= self.spec_min_accept_prob <= 1.0:
             raise ValueError(f"spec_min_accept_prob={self.spec_min_accept_prob} must be in [0, 1]")
+
+
+def literal_choices(annotation) -> tuple | None:
+    """The allowed values of a `Literal[...]` or `Literal[...] | None` annotation (None included
+    when optional), else None."""
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        choices = []
+        for arg in typing.get_args(annotation):
+            inner = literal_choices(arg) if arg is not type(None) else (None,)
+            if inner is None:
+                return None
+            choices.extend(inner)
+        return tuple(choices)
+    return None
+
+
+def _check_choices(config) -> None:
+    """ValueError naming the field when a Literal-typed field holds another value."""
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        choices = literal_choices(hints[field.name])
+        value = getattr(config, field.name)
+        if choices is not None and value not in choices:
+            names = ", ".join(repr(c) for c in choices)
+            raise ValueError(f"{field.name}={value!r} must be one of {names}")

@@ -14,7 +14,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine_outputs import OutputProcessor
 from jaxinfer.models.loader import load_model, model_source
 from jaxinfer.request import Request, RequestOutput
-from jaxinfer.runtime.kv_cache import kv_cache_bytes_per_page
+from jaxinfer.ops.kv_cache import kv_cache_bytes_per_page
 from jaxinfer.runtime.runner import ModelRunner, device_memory_bytes_free, kv_dtype_of, param_bytes
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.spec_decode import DraftModel, NgramProposer, load_draft_model

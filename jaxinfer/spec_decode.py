@@ -44,7 +44,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.runtime.kv_cache import AttentionMetadata, KVCache, allocate_kv_cache
+from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache, allocate_kv_cache
 from jaxinfer.runtime.sampler import (GREEDY_EPS, SamplerOutput, SamplingMetadata, _categorical,
                                       adjust_logits, rejection_sample, row_keys, warp_logits)
 

@@ -1,15 +1,15 @@
-"""Write the step's new K/V into their cache slots, in place.
+"""Write the step's new K/V into their cache slots, in place; the int8 KV format.
 
 `write_kv` is a Pallas kernel whose cache outputs alias its cache inputs (`input_output_aliases`):
 under a jit that donates the cache, nothing is copied and only the T new rows are touched.
 `write_kv_reference` is the XLA scatter; under donation XLA also updates it in place (tested in
-tests/kernels/test_kv_write.py by buffer pointer).
+tests/kernels/test_kv_write.py by buffer pointer). `jaxinfer.ops.write_kv` runs this kernel on the
+Pallas backend and the scatter on the XLA one.
 
-int8 pages (`quantize_kv`, defined with the cache in jaxinfer/runtime/kv_cache.py): symmetric, one
-f32 scale per token and KV head, stored beside the pages as `[L, N, page_size, Hkv]`; with head_dim
-64/128 that is 1 + 4/D bytes per value instead of 2 (bf16): 53% / 52% of the bf16 cache.
-The engine writes through the XLA scatter in jaxinfer/ops.py (in place under donation, int8
-included); this kernel is the alternative measured in benchmarks/kernel_bench.py.
+int8 pages (`quantize_kv`): symmetric, one f32 scale per token and KV head, stored beside the
+pages as `[L, N, page_size, Hkv]`; with head_dim 64/128 that is 1 + 4/D bytes per value instead of
+2 (bf16): 53% / 52% of the bf16 cache. The format is defined here, with the kernel that writes it;
+the attention kernels and the XLA path read it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,26 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxinfer.runtime.kv_cache import INT8_MAX, dequantize_kv, quantize_kv  # noqa: F401 (re-exported)
 from pallas_kernels.ragged_paged_attention import whole_array_spec
+
+INT8_MAX = 127.0
+SCALE_DTYPE = jnp.float32  # the attention kernel reads f32 scales
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x[..., D] float -> (int8[..., D], f32[...] scale), symmetric absmax: x ~= int8 * scale.
+
+    |x - int8 * scale| <= scale / 2 = absmax / 254 per element."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    scale = jnp.maximum(amax, 1e-30) / INT8_MAX  # all-zero rows: scale ~0, values 0
+    q = jnp.clip(jnp.round(x / scale[..., None]), -INT8_MAX, INT8_MAX)
+    return q.astype(jnp.int8), scale.astype(SCALE_DTYPE)
+
+
+def dequantize_kv(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """int8[..., D], f32[...] -> dtype[..., D]."""
+    return (q.astype(jnp.float32) * scale[..., None].astype(jnp.float32)).astype(dtype)
 
 
 def _pow2_floor(x: int) -> int:

@@ -47,12 +47,20 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxinfer.runtime.kv_cache import AttentionMetadata
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 MIN_DOT_SIZE = 16  # Triton's tl.dot needs M, N, K >= 16
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 LOWERINGS = ("triton", "mosaic")
+
+
+class RaggedBatch(NamedTuple):
+    """The batch layout arrays, gathered for the wrapper's helpers (built from the arguments)."""
+
+    kv_lens: jax.Array  # i32[S] context length of each sequence, this step's tokens included
+    page_indices: jax.Array  # i32[S, P] its pages in the cache
+    cu_q_lens: jax.Array  # i32[S+1] cumulative new-token counts
+    num_seqs: jax.Array  # i32[1] real sequences (the rest is padding)
 
 
 def _next_pow2(x: int) -> int:
@@ -231,7 +239,7 @@ def _attention_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _validate(q, k_cache, v_cache, layer, md, sm_scale, sliding_window, soft_cap, k_scale, v_scale):
+def _validate(q, k_cache, v_cache, layer, md: RaggedBatch, sm_scale, sliding_window, soft_cap, k_scale, v_scale):
     if q.ndim != 3:
         raise ValueError(f"{q.shape=} must be [num_tokens, num_q_heads, head_dim]")
     if k_cache.ndim != 5:
@@ -269,9 +277,9 @@ def _validate(q, k_cache, v_cache, layer, md, sm_scale, sliding_window, soft_cap
     for name, shape in expected.items():
         arr = getattr(md, name)
         if arr.shape != shape or arr.dtype != jnp.int32:
-            raise ValueError(f"md.{name} {arr.shape=} {arr.dtype=} must be int32{list(shape)}")
+            raise ValueError(f"{name} {arr.shape=} {arr.dtype=} must be int32{list(shape)}")
     if md.page_indices.ndim != 2 or md.page_indices.shape[0] != num_seqs or md.page_indices.dtype != jnp.int32:
-        raise ValueError(f"{md.page_indices.shape=} {md.page_indices.dtype=} must be int32[{num_seqs}, P]")
+        raise ValueError(f"page_indices {md.page_indices.shape=} {md.page_indices.dtype=} must be int32[{num_seqs}, P]")
     if num_tokens < 1:
         raise ValueError(f"{num_tokens=} must be >= 1")
     if not isinstance(sm_scale, (int, float)):
@@ -292,7 +300,7 @@ class _Tiles(NamedTuple):
     token_real: jax.Array  # bool[T] token belongs to a real sequence
 
 
-def _make_tiles(md: AttentionMetadata, num_tokens: int, cfg: KernelConfig, max_kv_len: int) -> _Tiles:
+def _make_tiles(md: RaggedBatch, num_tokens: int, cfg: KernelConfig, max_kv_len: int) -> _Tiles:
     """Cut each sequence's new tokens into q tiles (O(T + S) jnp)."""
     num_seqs = md.kv_lens.shape[0]
     bq = cfg.tile_tokens
@@ -348,7 +356,10 @@ def ragged_paged_attention(
     k_cache: jax.Array,  # [L, N, page_size, Hkv, D]
     v_cache: jax.Array,  # [L, N, page_size, Hkv, D]
     layer: jax.Array,  # i32[] layer to read (traced)
-    md: AttentionMetadata,
+    kv_lens: jax.Array,  # i32[S] context length of each sequence, this step's tokens included
+    page_indices: jax.Array,  # i32[S, P] physical page ids (unused entries: any valid page)
+    cu_q_lens: jax.Array,  # i32[S+1] cumulative new-token counts
+    num_seqs: jax.Array,  # i32[1] real sequences; the rest is padding
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -373,6 +384,7 @@ def ragged_paged_attention(
     (padding beyond `cu_q_lens[num_seqs]`) get zeros. `interpret=None` interprets unless the
     default backend is a GPU. Raises NotImplementedError for what the compiled kernel can't do.
     """
+    md = RaggedBatch(kv_lens, page_indices, cu_q_lens, num_seqs)
     quantized = _validate(q, k_cache, v_cache, layer, md, sm_scale, sliding_window, soft_cap, k_scale, v_scale)
     if lowering not in LOWERINGS:
         raise ValueError(f"{lowering=} must be one of {LOWERINGS}")
@@ -483,7 +495,10 @@ def ragged_paged_attention_reference(
     k_cache: jax.Array,  # [L, N, page_size, Hkv, D]
     v_cache: jax.Array,  # [L, N, page_size, Hkv, D]
     layer: jax.Array,  # i32[]
-    md: AttentionMetadata,
+    kv_lens: jax.Array,  # i32[S]
+    page_indices: jax.Array,  # i32[S, P]
+    cu_q_lens: jax.Array,  # i32[S+1]
+    num_seqs: jax.Array,  # i32[1]
     *,
     sm_scale: float,
     sliding_window: int | None = None,
@@ -492,6 +507,7 @@ def ragged_paged_attention_reference(
     v_scale: jax.Array | None = None,
 ) -> jax.Array:  # [T, Hq, D]
     """Plain jnp, f32 math: gathers every sequence's whole page table (memory-hungry)."""
+    md = RaggedBatch(kv_lens, page_indices, cu_q_lens, num_seqs)
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs, pages_per_seq = md.page_indices.shape
     page_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]

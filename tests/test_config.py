@@ -7,6 +7,7 @@ import os
 import pytest
 
 from jaxinfer.config import EngineConfig, ModelConfig, RopeScaling
+from jaxinfer.models.gguf_file import read_model_config
 from jaxinfer.models.loader import CONFIGS_DIR, load_model_config
 
 LLAMA3_SCALING = RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
@@ -101,7 +102,7 @@ def test_from_gguf_tiny(tmp_path):
     from tests.tiny_models import save_tiny_gguf, save_tiny_model
 
     hf_dir = save_tiny_model("qwen2", tmp_path / "hf", with_tokenizer=False)
-    c = ModelConfig.from_gguf(save_tiny_gguf(hf_dir, tmp_path / "q.gguf"))
+    c = read_model_config(save_tiny_gguf(hf_dir, tmp_path / "q.gguf"))
     assert c.architecture == "qwen2" and c.attention_bias and c.tie_word_embeddings
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (2, 64, 4, 2, 16)
     assert c.vocab_size == 384 and c.bos_token_id == 1 and c.eos_token_ids == (2,)
@@ -110,14 +111,14 @@ def test_from_gguf_tiny(tmp_path):
 def test_from_gguf_not_a_gguf(tmp_path):
     (tmp_path / "x.gguf").write_text("hello")
     with pytest.raises(ValueError, match="not a GGUF file"):
-        ModelConfig.from_gguf(tmp_path / "x.gguf")
+        read_model_config(tmp_path / "x.gguf")
 
 
 @pytest.mark.slow
 def test_from_gguf_smollm2():
     from jaxinfer.models.loader import resolve_model_path
 
-    c = ModelConfig.from_gguf(resolve_model_path("smollm2-135m"))
+    c = read_model_config(resolve_model_path("smollm2-135m"))
     assert c == ModelConfig(
         architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=c.rms_norm_eps,

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from jaxinfer import ops
+from jaxinfer.ops import xla_attention
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.runtime.kv_cache import (
+from jaxinfer.ops.kv_cache import (
     KVCache,
     allocate_kv_cache,
     dequantize_kv,
@@ -103,7 +104,7 @@ def test_write_kv_int8_round_trip_at_exact_slots():
 def test_xla_int8_attention_matches_dequantized_reference(monkeypatch, name, chunk_loop):
     """decode (rows <= D) scales logits/probs, prefill tiles (rows > D) dequantize K/V chunks."""
     if chunk_loop:
-        monkeypatch.setattr(ops, "_ELEMENT_BUDGET", 1)  # one page per online-softmax step
+        monkeypatch.setattr(xla_attention, "_ELEMENT_BUDGET", 1)  # one page per online-softmax step
     q_lens, kv_lens, t, s, p = CASES[name]
     rng = np.random.default_rng(hash(name) % 2**32)
     q, k_cache, v_cache, md = make_case(rng, q_lens, kv_lens, num_tokens=t, num_seqs=s,

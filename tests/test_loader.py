@@ -17,7 +17,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.models import loader
 from jaxinfer.models.gguf_file import GGUFTensors, gguf_tensor_f32, open_gguf
 from jaxinfer.models.loader import (ModelSource, load_model, model_source, resolve_model_path)
-from jaxinfer.runtime.kv_cache import allocate_kv_cache
+from jaxinfer.ops.kv_cache import allocate_kv_cache
 from tests.tiny_models import gguf_roundtrip, paged_batch, save_tiny_gguf, save_tiny_model
 
 

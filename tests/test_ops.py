@@ -1,6 +1,5 @@
 """ops.write_kv and the XLA ragged paged attention against a plain numpy reference."""
 
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxinfer import ops
-from jaxinfer.runtime.kv_cache import AttentionMetadata, KVCache
+from jaxinfer.ops import xla_attention
+from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache
 
 PAGE_SIZE = 4
 NUM_PAGES = 24
@@ -110,7 +110,7 @@ def test_matches_reference(name, heads):
 @pytest.mark.parametrize("window,soft_cap", [(5, None), (None, 2.0), (3, 1.5)])
 def test_sliding_window_and_soft_cap_with_chunk_loop(monkeypatch, name, window, soft_cap):
     """A tiny element budget forces one page per online-softmax step (the while-loop path)."""
-    monkeypatch.setattr(ops, "_ELEMENT_BUDGET", 1)
+    monkeypatch.setattr(xla_attention, "_ELEMENT_BUDGET", 1)
     q_lens, kv_lens, t, s, p = CASES[name]
     rng = np.random.default_rng(7)
     q, k_cache, v_cache, md = make_case(rng, q_lens, kv_lens, num_tokens=t, num_seqs=s,
@@ -123,12 +123,12 @@ def test_sliding_window_and_soft_cap_with_chunk_loop(monkeypatch, name, window, 
 
 def test_chunk_and_tile_sizes_bound_memory():
     # 8B decode at batch 256 with 2k context: chunks stay under the element budget
-    tiles, pages = 256, ops.kv_chunk_pages(256, 1, 32, 8, 128, 16, 128)
-    assert tiles * pages * 16 * 8 * 128 <= ops._ELEMENT_BUDGET
-    assert ops.query_tile_size(256, 256) == 1
-    assert ops.query_tile_size(512, 8) == 32
-    assert ops.query_tile_size(64, 8) == 4
-    assert ops.query_tile_size(4096, 8) == 64
+    tiles, pages = 256, xla_attention.kv_chunk_pages(256, 1, 32, 8, 128, 16, 128)
+    assert tiles * pages * 16 * 8 * 128 <= xla_attention._ELEMENT_BUDGET
+    assert xla_attention.query_tile_size(256, 256) == 1
+    assert xla_attention.query_tile_size(512, 8) == 32
+    assert xla_attention.query_tile_size(64, 8) == 4
+    assert xla_attention.query_tile_size(4096, 8) == 64
 
 
 def test_bfloat16_inputs():
@@ -143,7 +143,10 @@ def test_bfloat16_inputs():
 
 
 def test_pallas_backend_falls_back_to_xla(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pallas_kernels.ragged_paged_attention", None)  # ImportError
+    def cannot(*args, **kwargs):
+        raise NotImplementedError("a case the kernel does not handle")
+
+    monkeypatch.setattr(ops, "ragged_paged_attention_pallas", cannot)
     rng = np.random.default_rng(4)
     q, k_cache, v_cache, md = make_case(rng, [2, 1], [5, 3], num_tokens=4, num_seqs=2,
                                         pages_per_seq=2)

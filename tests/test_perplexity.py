@@ -10,7 +10,7 @@ def test_perplexity_matches_transformers(tmp_path):
     import transformers
 
     from jaxinfer.models.loader import load_model
-    from jaxinfer.perplexity import perplexity
+    from jaxinfer.models.perplexity import perplexity
     from tests.tiny_models import save_tiny_model
 
     path = save_tiny_model("llama", tmp_path / "llama")
@@ -27,7 +27,7 @@ def test_perplexity_matches_transformers(tmp_path):
 
 def test_perplexity_rejects_too_short(tmp_path):
     from jaxinfer.models.loader import load_model
-    from jaxinfer.perplexity import perplexity
+    from jaxinfer.models.perplexity import perplexity
     from tests.tiny_models import save_tiny_model
 
     _, model = load_model(save_tiny_model("llama", tmp_path / "llama", with_tokenizer=False))

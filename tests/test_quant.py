@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from jaxinfer import quant
+from jaxinfer.quant import xla as quant_xla
+from jaxinfer.models import calibration, quantize
 
 gguf = pytest.importorskip("gguf")
 from gguf import quants as gguf_quants  # noqa: E402
@@ -291,9 +293,9 @@ def test_quantized_matmul_does_not_keep_a_float_weight():
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_large_matrices_multiply_in_column_chunks(monkeypatch, bits):
-    monkeypatch.setattr(quant, "_CHUNKED_ABOVE", 64 * 96 - 1)
-    monkeypatch.setattr(quant, "_CHUNK_WEIGHTS", 64 * 16)
-    assert quant._num_column_chunks(64, 96) == 6  # six chunks of 16 columns
+    monkeypatch.setattr(quant_xla, "_CHUNKED_ABOVE", 64 * 96 - 1)
+    monkeypatch.setattr(quant_xla, "_CHUNK_WEIGHTS", 64 * 16)
+    assert quant_xla._num_column_chunks(64, 96) == 6  # six chunks of 16 columns
     w = _weight(64, 96)
     qw = quant.quantize_int8(w) if bits == 8 else quant.quantize_int4(w, 32, symmetric=False)
     x = jax.random.normal(jax.random.key(0), (2, 5, 64), jnp.float32)
@@ -407,7 +409,7 @@ def tiny_model_dirs(tmp_path_factory):
 def _logits(model, token_ids):
     from flax import nnx
 
-    from jaxinfer.runtime.kv_cache import allocate_kv_cache
+    from jaxinfer.ops.kv_cache import allocate_kv_cache
     from tests.tiny_models import paged_batch
 
     graphdef, state = nnx.split(model)
@@ -523,7 +525,7 @@ def test_int4_model_head_method(tiny_model_dirs):
                             EngineConfig(quantization="int4", quantize_lm_head=True))
     assert q_model.lm_head.bits == 4 and q_model.layers.mlp.down_proj.bits == 4
     _, float_model = load_model(tiny_model_dirs["llama"])
-    quant.quantize_model(float_model, quant.QuantConfig("int4", quantize_lm_head=True,
+    quantize.quantize_model(float_model, quantize.QuantConfig("int4", quantize_lm_head=True,
                                                         lm_head_method="int8"))
     assert float_model.lm_head.bits == 8 and float_model.layers.mlp.down_proj.bits == 4
 
@@ -537,8 +539,8 @@ def test_int4_head_gptq_beats_plain_rounding(tiny_model_dirs, arch):
     from jaxinfer.models.loader import load_model
 
     _, float_model = load_model(tiny_model_dirs[arch])
-    held_out = quant.final_hidden_hessian(
-        float_model, quant.calibration_tokens(float_model.config, 512, seed=99))
+    held_out = calibration.final_hidden_hessian(
+        float_model, calibration.calibration_tokens(float_model.config, 512, seed=99))
     tied = arch == "qwen2"
     w = np.asarray(float_model.embed_tokens.embedding[...].T if tied
                    else float_model.lm_head.weight[...], np.float64)
@@ -546,9 +548,9 @@ def test_int4_head_gptq_beats_plain_rounding(tiny_model_dirs, arch):
     for name, fields in [("minmax", dict(search=False, lm_head_gptq=False)),
                          ("search", dict(lm_head_gptq=False)), ("gptq", {})]:
         _, model = load_model(tiny_model_dirs[arch])
-        qconfig = quant.QuantConfig("int8", quantize_lm_head=True, lm_head_method="int4",
+        qconfig = quantize.QuantConfig("int8", quantize_lm_head=True, lm_head_method="int4",
                                     **fields)
-        quant.quantize_model(model, qconfig)
+        quantize.quantize_model(model, qconfig)
         assert model.layers.mlp.down_proj.bits == 8
         head = model.embed_tokens if tied else model.lm_head
         assert isinstance(head, QuantizedEmbed if tied else QuantizedLinear)
@@ -563,15 +565,15 @@ def test_int4_head_gptq_beats_plain_rounding(tiny_model_dirs, arch):
 def test_calibration_hessian_is_the_hidden_states_covariance(tiny_model_dirs):
     """final_hidden_hessian over several prefill chunks == E[h h^T] of one forward."""
     from jaxinfer.models.loader import load_model
-    from jaxinfer.runtime.kv_cache import allocate_kv_cache
+    from jaxinfer.ops.kv_cache import allocate_kv_cache
     from tests.tiny_models import paged_batch
 
     _, model = load_model(tiny_model_dirs["llama"])
-    assert quant.calibration_tokens(model.config, 600).shape == (3, 256)  # context 256
-    ids = quant.calibration_tokens(model.config, 20, seed=1)[0]
+    assert calibration.calibration_tokens(model.config, 600).shape == (3, 256)  # context 256
+    ids = calibration.calibration_tokens(model.config, 20, seed=1)[0]
     assert ids.shape == (20,) and ids.max() < model.config.vocab_size
-    got = quant.final_hidden_hessian(model, ids, chunk=8, page_size=4)  # 3 chunks
-    twice = quant.final_hidden_hessian(model, np.stack([ids, ids]), chunk=8, page_size=4)
+    got = calibration.final_hidden_hessian(model, ids, chunk=8, page_size=4)  # 3 chunks
+    twice = calibration.final_hidden_hessian(model, np.stack([ids, ids]), chunk=8, page_size=4)
     np.testing.assert_allclose(twice, got, rtol=1e-6)
     pages = list(range(1, 6))
     tok, pos, md = paged_batch([(ids.tolist(), 0, pages)], page_size=4, num_tokens=32,
@@ -615,14 +617,15 @@ def test_dummy_weights_quantize():
 @pytest.mark.parametrize("source,method", [("llama", "int4"), ("qwen2", "int8"),
                                            ("llama-Q4_1", "int4")])
 def test_quantized_checkpoint_round_trip(tiny_model_dirs, tmp_path, source, method):
-    from jaxinfer import quant_checkpoint
+    from jaxinfer.models import quant_checkpoint
+    from jaxinfer.models.loader import quantize_checkpoint
     from jaxinfer.config import EngineConfig
     from jaxinfer.models.layers import QuantizedLinear
     from jaxinfer.models.loader import load_model
     from jaxinfer.tokenizer import Tokenizer
 
     ec = EngineConfig(quantization=method, quantize_lm_head=True)
-    out = quant_checkpoint.quantize_checkpoint(tiny_model_dirs[source], tmp_path / "q", ec)
+    out = quantize_checkpoint(tiny_model_dirs[source], tmp_path / "q", ec)
     assert quant_checkpoint.is_quantized_checkpoint(out)
     assert os.path.isfile(os.path.join(out, "config.json"))
     _, q_model = load_model(tiny_model_dirs[source], ec)

@@ -200,7 +200,7 @@ def paged_batch(seqs, *, page_size: int, num_tokens: int, num_seqs: int, pages_p
     """
     import jax.numpy as jnp
 
-    from jaxinfer.runtime.kv_cache import AttentionMetadata
+    from jaxinfer.ops.kv_cache import AttentionMetadata
 
     input_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)

@@ -10,8 +10,14 @@ import re
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from jaxinfer.config import ModelConfig, RopeScaling
 
 _MISSING = object()
+_REQUIRED = object()
+GGUF_ARCHITECTURES = ("llama", "qwen2")  # general.architecture values we read
 
 # The tensor types we test and promise. Any other type gguf.quants can dequantize (Q5_0, Q5_K, ...)
 # loads too; one it cannot is refused with a ValueError naming the tensor and its type.
@@ -42,8 +48,6 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 
 def open_gguf(path: str | os.PathLike):
     """A `gguf.GGUFReader` over `path` (memory-mapped); ValueError when it is not a GGUF file."""
-    from gguf import GGUFReader
-
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"GGUF file {path!r} does not exist")
@@ -69,8 +73,6 @@ def gguf_field(reader, key: str, default: Any = _MISSING) -> Any:
 
 def gguf_tensor_f32(reader, name: str) -> np.ndarray:
     """Tensor `name` dequantized to float32, in numpy (row-major, HF) axis order."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
 
     tensor = next((t for t in reader.tensors if t.name == name), None)
     if tensor is None:
@@ -160,3 +162,88 @@ class GGUFTensors:
         elif self._permuted and ".self_attn.k_proj." in name:
             array = unpermute_rotary_rows(array, self._num_kv_heads)
         return array
+
+
+def read_model_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig in the metadata of a .gguf file (llama and qwen2 architectures)."""
+    return model_config_from_gguf(open_gguf(path))
+
+
+def model_config_from_gguf(reader) -> ModelConfig:
+    """From an open `gguf.GGUFReader` (so a loader parses the file once)."""
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"architecture={arch!r} is not supported in GGUF files; "
+            f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+
+    def key(name, default=_REQUIRED):
+        value = gguf_field(reader, f"{arch}.{name}", None)
+        if value is None:
+            if default is _REQUIRED:
+                raise ValueError(f"GGUF metadata is missing the key {arch}.{name!r}")
+            return default
+        return value
+
+    tensor_names = {t.name for t in reader.tensors}
+    hidden_size = int(key("embedding_length"))
+    num_heads = int(key("attention.head_count"))
+    num_kv_heads = key("attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list):  # per-layer counts (some converters): must agree
+        if len(set(num_kv_heads)) != 1:
+            raise ValueError(f"per-layer head_count_kv={num_kv_heads} is not supported")
+        num_kv_heads = num_kv_heads[0]
+    head_dim = int(key("attention.key_length", hidden_size // num_heads))
+    rotary_dim = int(key("rope.dimension_count", head_dim))
+    if rotary_dim != head_dim:
+        raise ValueError(f"partial rotary embedding ({rotary_dim=}, {head_dim=}) is not supported")
+
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        vocab_size = len(tokens.data)
+    elif key("vocab_size", None) is not None:
+        vocab_size = int(key("vocab_size"))
+    else:
+        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if embd is None:
+            raise ValueError("GGUF file has neither a token list nor token_embd.weight")
+        vocab_size = int(embd.shape[-1])
+
+    rope_scaling = None
+    scaling_type = key("rope.scaling.type", "none")
+    if scaling_type == "linear":
+        rope_scaling = RopeScaling(rope_type="linear", factor=float(key("rope.scaling.factor")))
+    elif scaling_type not in ("none", None):
+        raise ValueError(f"rope scaling type {scaling_type!r} is not supported")
+    rope_freq_factors = None
+    if "rope_freqs.weight" in tensor_names:
+        factors = gguf_tensor_f32(reader, "rope_freqs.weight").reshape(-1)
+        rope_freq_factors = tuple(float(x) for x in factors)
+
+    eos_ids = []
+    for name in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        token_id = gguf_field(reader, f"tokenizer.ggml.{name}", None)
+        if token_id is not None and int(token_id) not in eos_ids:
+            eos_ids.append(int(token_id))
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id", None)
+    sliding = key("attention.sliding_window", None)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(num_kv_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        sliding_window=int(sliding) if sliding else None,
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=tuple(eos_ids),
+        rope_freq_factors=rope_freq_factors,
+    )

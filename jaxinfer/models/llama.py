@@ -16,7 +16,7 @@ from flax import nnx
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import Embed, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
-from jaxinfer.runtime.kv_cache import AttentionMetadata, KVCache
+from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache
 
 
 class Attention(nnx.Module):
@@ -43,7 +43,7 @@ class Attention(nnx.Module):
         v = qkv[:, q_size + kv_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        kv_cache = ops.write_kv(kv_cache, layer, k, v, md.slot_mapping)
+        kv_cache = ops.write_kv(kv_cache, layer, k, v, md.slot_mapping, backend=attention_backend)
         out = ops.ragged_paged_attention(
             q, kv_cache.k, kv_cache.v, layer, md, sm_scale=self.head_dim ** -0.5,
             sliding_window=self.sliding_window, backend=attention_backend,

@@ -24,8 +24,15 @@ from flax import nnx
 
 from jaxinfer import disk_cache
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.models import weight_cache
+from jaxinfer.models import quant_checkpoint, weight_cache
+from jaxinfer.models.quant_checkpoint import save_quantized
+from jaxinfer.models.gguf_file import (GGUFTensors, model_config_from_gguf, open_gguf,
+                                      read_model_config)
+from jaxinfer.models.layers import set_quantized_matmul_backend
 from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.models.quantize import QuantConfig, quantize_model
+from jaxinfer.models.safetensors_dir import SafetensorsDir
+from jaxinfer.models.weights import params_from_hf
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +122,7 @@ def load_model_config(path_or_name: str | os.PathLike) -> ModelConfig:
                 raise ValueError(f"{name!r} is not valid JSON: {e}") from None
     source = model_source(name)
     if source.is_gguf:
-        return ModelConfig.from_gguf(source.file)
+        return read_model_config(source.file)
     return ModelConfig.from_hf_dir(source.path)
 
 
@@ -146,18 +153,12 @@ def model_from_params(config: ModelConfig, params: dict, dtype) -> LlamaForCausa
 def load_model(path_or_name: str | os.PathLike,
                engine_config: EngineConfig | None = None) -> tuple[ModelConfig, LlamaForCausalLM]:
     """(ModelConfig, model) with params in engine_config.dtype (float32 by default)."""
-    from jaxinfer.models.weights import params_from_hf
-
     engine_config = engine_config or EngineConfig()
     dtype = jnp.dtype(engine_config.dtype)
     if engine_config.load_format == "dummy":
         config = load_model_config(path_or_name)
         return config, _quantized(init_dummy_model(config, dtype, engine_config.seed), engine_config)
-    from jaxinfer import quant_checkpoint
-
     if quant_checkpoint.is_quantized_checkpoint(path_or_name):  # `jaxinfer quantize` output
-        from jaxinfer.models.layers import set_quantized_matmul_backend
-
         config, model = quant_checkpoint.load_quantized(path_or_name)
         return config, set_quantized_matmul_backend(model, engine_config.attention_backend)
     source = model_source(path_or_name)
@@ -173,22 +174,16 @@ def load_model(path_or_name: str | os.PathLike,
 def _open_source(source: ModelSource):
     """(ModelConfig, a mapping HF name -> numpy tensor) of a GGUF file or an HF directory."""
     if source.is_gguf:
-        from jaxinfer.models.gguf_file import GGUFTensors, open_gguf
-
         reader = open_gguf(source.file)
-        config = ModelConfig.from_gguf_reader(reader)
+        config = model_config_from_gguf(reader)
         return config, GGUFTensors(reader, config.architecture, config.num_heads,
                                    config.num_kv_heads)
-    from jaxinfer.models.safetensors_dir import SafetensorsDir
-
     return ModelConfig.from_hf_dir(source.path), SafetensorsDir(source.path)
 
 
 def _cached_gguf_params(source: ModelSource, dtype) -> tuple[ModelConfig, dict]:
     """(config, params) of a GGUF file through the weight cache (models/weight_cache.py): a hit
     skips parsing and dequantizing the file; a miss converts it and stores the result."""
-    from jaxinfer.models.weights import params_from_hf
-
     slot = weight_cache.weight_slot([source.file], dtype)
     cached = weight_cache.load(slot)
     if cached is not None:
@@ -205,7 +200,15 @@ def _cached_gguf_params(source: ModelSource, dtype) -> tuple[ModelConfig, dict]:
 
 def _quantized(model: LlamaForCausalLM, engine_config: EngineConfig, gguf_tensors=None):
     """engine_config.quantization: swap Linear for QuantizedLinear (GGUF Q8_0/Q4_0/Q4_1 as stored)."""
-    from jaxinfer.quant import QuantConfig, quantize_model
-
     qconfig = QuantConfig.from_engine_config(engine_config)
     return model if qconfig is None else quantize_model(model, qconfig, gguf_tensors)
+
+
+def quantize_checkpoint(model: str, out_dir: str | os.PathLike,
+                        engine_config: EngineConfig) -> str:
+    """`jaxinfer quantize MODEL --quantization int4 --out DIR`: load (quantizing on load, GGUF
+    Q4_0/Q4_1/Q8_0 as stored) and save."""
+    if engine_config.quantization is None:
+        raise ValueError("quantize needs quantization='int8' or 'int4'")
+    _, q_model = load_model(model, engine_config)
+    return save_quantized(q_model, out_dir, source=model_source(model))

@@ -10,7 +10,6 @@ that converts (this module, weights.py, gguf_file.py, the gguf package's version
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxinfer import disk_cache
-from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,21 +48,6 @@ def weight_slot(source_files: list[str], dtype, root: str | os.PathLike | None =
     }
     slot_id = [os.path.realpath(f) for f in source_files]
     return disk_cache.CacheSlot(KIND, slot_id, key, root)
-
-
-# -- ModelConfig <-> JSON --------------------------------------------------------------------------
-def config_to_dict(config: ModelConfig) -> dict:
-    return dataclasses.asdict(config)
-
-
-def config_from_dict(d: dict) -> ModelConfig:
-    d = dict(d)
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
-    if d.get("rope_freq_factors") is not None:
-        d["rope_freq_factors"] = tuple(d["rope_freq_factors"])
-    return ModelConfig(**d)
 
 
 # -- nested param dict <-> flat safetensors --------------------------------------------------------
@@ -110,7 +94,7 @@ def save(slot: disk_cache.CacheSlot, config: ModelConfig, params: dict) -> Path:
                 array = array.view(_VIEW_AS[array.dtype.itemsize])
             np.save(tmp / index[key]["file"], array, allow_pickle=False)
         with open(tmp / _INDEX_FILE, "w") as f:
-            json.dump({"model_config": config_to_dict(config), "params": index}, f)
+            json.dump({"model_config": config.to_dict(), "params": index}, f)
 
     return slot.publish(write)
 
@@ -127,7 +111,7 @@ def load(slot: disk_cache.CacheSlot) -> tuple[ModelConfig, dict] | None:
     try:
         with open(entry / _INDEX_FILE) as f:
             meta = json.load(f)
-        config = config_from_dict(meta["model_config"])
+        config = ModelConfig.from_dict(meta["model_config"])
         flat = {}
         for key, info in meta["params"].items():
             array = np.load(entry / info["file"], mmap_mode="r", allow_pickle=False)

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxinfer import ops
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.runtime.executable_cache import ExecutableCache
-from jaxinfer.runtime.kv_cache import allocate_kv_cache
+from jaxinfer.ops.kv_cache import allocate_kv_cache
 from jaxinfer.runtime.step import StepFlags, make_jitted_draft_step, make_jitted_step
 
 logger = logging.getLogger(__name__)
@@ -32,12 +33,6 @@ class RunnerOutput:
     #   proposals for the next step, -1 padded (None without a draft model)
 
 
-def resolve_attention_backend(backend: str) -> str:
-    if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return backend
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -50,7 +45,7 @@ class ModelRunner:
         self.model_config = model_config
         self.engine_config = engine_config
         self.num_pages = num_pages
-        self.attention_backend = resolve_attention_backend(engine_config.attention_backend)
+        self.attention_backend = ops.resolve_backend(engine_config.attention_backend)
         graphdef, self.state = nnx.split(model)
         self.draft = draft
         self._step = (make_jitted_step(graphdef) if draft is None

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxinfer.runtime.kv_cache import AttentionMetadata, KVCache
+from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache
 from jaxinfer.runtime.sampler import GREEDY_EPS, SamplerOutput, SamplingMetadata, sample
 from jaxinfer.sched.step_input import PackedLayout, unpack
 from jaxinfer.spec_decode import DraftInputs, SpecInputs, propose_drafts, verify_drafts

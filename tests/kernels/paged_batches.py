@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.runtime.kv_cache import AttentionMetadata
+from jaxinfer.ops.kv_cache import AttentionMetadata
 
 # JAXINFER_KERNEL_INTERPRET=0 runs the kernel tests compiled (on a GPU machine).
 INTERPRET = os.environ.get("JAXINFER_KERNEL_INTERPRET", "1") != "0"
@@ -83,6 +83,12 @@ def make_paged_batch(
     )
     return PagedBatch(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), md,
                       list(q_lens), list(kv_lens), num_tokens_real)
+
+
+def layout(batch: PagedBatch) -> tuple:
+    """The kernels' batch-layout arguments: (kv_lens, page_indices, cu_q_lens, num_seqs)."""
+    md = batch.md
+    return md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs
 
 
 def naive_attention(batch: PagedBatch, layer: int, *, sm_scale: float, sliding_window=None,

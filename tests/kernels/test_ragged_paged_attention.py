@@ -18,7 +18,7 @@ from pallas_kernels.ragged_paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from tests.kernels.paged_batches import INTERPRET, make_paged_batch, naive_attention, rel_err
+from tests.kernels.paged_batches import INTERPRET, layout, make_paged_batch, naive_attention, rel_err
 
 LAYER = 1
 F32_TOL = 2e-5
@@ -31,10 +31,10 @@ MIXED = dict(q_lens=[19, 7, 1, 1, 4, 1], kv_lens=[19, 40, 1, 32, 23, 17])
 
 def run(batch, **kw):
     sm_scale = 1.0 / math.sqrt(batch.q.shape[-1])
-    out = ragged_paged_attention(batch.q, batch.k_cache, batch.v_cache, jnp.int32(LAYER), batch.md,
+    out = ragged_paged_attention(batch.q, batch.k_cache, batch.v_cache, jnp.int32(LAYER), *layout(batch),
                                  sm_scale=sm_scale, interpret=INTERPRET, **kw)
     ref_kw = {k: kw[k] for k in ("sliding_window", "soft_cap", "k_scale", "v_scale") if k in kw}
-    ref = ragged_paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, LAYER, batch.md,
+    ref = ragged_paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, LAYER, *layout(batch),
                                            sm_scale=sm_scale, **ref_kw)
     assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -130,7 +130,7 @@ def test_int8_kv_pages():
     qbatch = batch._replace(k_cache=kq, v_cache=vq)
     out, ref_q = run(qbatch, k_scale=ks, v_scale=vs)
     assert rel_err(out, ref_q, batch.num_tokens_real) < F32_TOL
-    ref = ragged_paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, LAYER, batch.md,
+    ref = ragged_paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, LAYER, *layout(batch),
                                            sm_scale=1.0 / math.sqrt(128))
     assert rel_err(out, ref, batch.num_tokens_real) < 2e-2  # measured 9e-3 (a bf16 cache: 4e-3)
 
@@ -142,7 +142,7 @@ def test_reference_matches_dense_attention(page_size, group, sliding_window, sof
     batch = make_paged_batch(2, **MIXED, page_size=page_size, head_dim=64, num_kv_heads=2,
                              group=group, num_seqs_pad=8, num_tokens_pad=40)
     kw = dict(sm_scale=0.125, sliding_window=sliding_window, soft_cap=soft_cap)
-    ref = ragged_paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, LAYER, batch.md, **kw)
+    ref = ragged_paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, LAYER, *layout(batch), **kw)
     assert not np.isnan(np.asarray(ref)).any()
     assert (np.asarray(ref)[batch.num_tokens_real:] == 0).all()
     assert rel_err(ref, naive_attention(batch, LAYER, **kw), batch.num_tokens_real) < 1e-5
@@ -172,19 +172,19 @@ def _small_batch(dtype=jnp.float32):
     (lambda b: b._replace(q=b.q[:, :3]), "num_q_heads"),
     (lambda b: b._replace(k_cache=b.k_cache.astype(jnp.int8), v_cache=b.v_cache.astype(jnp.int8)), "k_cache.dtype"),
     (lambda b: b._replace(v_cache=b.v_cache[:, :-1]), "v_cache.shape"),
-    (lambda b: b._replace(md=b.md._replace(kv_lens=b.md.kv_lens.astype(jnp.float32))), "md.kv_lens"),
+    (lambda b: b._replace(md=b.md._replace(kv_lens=b.md.kv_lens.astype(jnp.float32))), "kv_lens"),
     (lambda b: b._replace(md=b.md._replace(page_indices=b.md.page_indices[0])), "page_indices"),
-    (lambda b: b._replace(md=b.md._replace(cu_q_lens=b.md.cu_q_lens[:-1])), "md.cu_q_lens"),
+    (lambda b: b._replace(md=b.md._replace(cu_q_lens=b.md.cu_q_lens[:-1])), "cu_q_lens"),
 ])
 def test_validation(change, match):
     b = change(_small_batch())
     with pytest.raises(ValueError, match=match):
-        ragged_paged_attention(b.q, b.k_cache, b.v_cache, 0, b.md, sm_scale=0.1)
+        ragged_paged_attention(b.q, b.k_cache, b.v_cache, 0, *layout(b), sm_scale=0.1)
 
 
 def test_validation_of_options():
     b = _small_batch()
-    call = functools.partial(ragged_paged_attention, b.q, b.k_cache, b.v_cache, 0, b.md, sm_scale=0.1)
+    call = functools.partial(ragged_paged_attention, b.q, b.k_cache, b.v_cache, 0, *layout(b), sm_scale=0.1)
     with pytest.raises(ValueError, match="sliding_window"):
         call(sliding_window=0)
     with pytest.raises(ValueError, match="soft_cap"):
@@ -198,13 +198,13 @@ def test_validation_of_options():
 def test_not_implemented_when_compiled():
     """What the compiled kernel can't do raises NotImplementedError at trace time (ops falls back)."""
     b = _small_batch()
-    call = functools.partial(ragged_paged_attention, b.q, b.k_cache, b.v_cache, 0, b.md, sm_scale=0.1,
+    call = functools.partial(ragged_paged_attention, b.q, b.k_cache, b.v_cache, 0, *layout(b), sm_scale=0.1,
                              interpret=False)
     with pytest.raises(NotImplementedError, match="mosaic"):
         call(lowering="mosaic")
     odd = make_paged_batch(0, q_lens=[3], kv_lens=[5], page_size=6, head_dim=64, num_kv_heads=1, group=1)
     with pytest.raises(NotImplementedError, match="page_size"):
-        ragged_paged_attention(odd.q, odd.k_cache, odd.v_cache, 0, odd.md, sm_scale=0.1, interpret=False)
+        ragged_paged_attention(odd.q, odd.k_cache, odd.v_cache, 0, *layout(odd), sm_scale=0.1, interpret=False)
 
 
 @pytest.mark.parametrize("dtype,max_q_len,extra", [
@@ -226,10 +226,8 @@ def test_lowers_to_triton(dtype, max_q_len, extra):
         scales = dict(k_scale=jax.ShapeDtypeStruct((2, 64, 16, 3), jnp.float32),
                       v_scale=jax.ShapeDtypeStruct((2, 64, 16, 3), jnp.float32))
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    from jaxinfer.runtime.kv_cache import AttentionMetadata
-
-    md = AttentionMetadata(i32(num_tokens), i32(num_seqs + 1), i32(num_seqs), i32(num_seqs, 8), i32(1))
+    md = (i32(num_seqs), i32(num_seqs, 8), i32(num_seqs + 1), i32(1))  # kv_lens .. num_seqs
     fn = functools.partial(ragged_paged_attention, sm_scale=0.125, interpret=False, max_q_len=max_q_len,
                            **extra)
-    lowered = jax.jit(fn).trace(q, kv, kv, i32(), md, **scales).lower(lowering_platforms=("cuda",))
+    lowered = jax.jit(fn).trace(q, kv, kv, i32(), *md, **scales).lower(lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text() or "triton_kernel_call" in lowered.as_text()

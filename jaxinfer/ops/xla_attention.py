@@ -1,9 +1,7 @@
-"""The dispatch seam between the model and its attention kernels.
+"""Ragged paged attention in plain jnp: the XLA path, and the production path on the CPU.
 
-`write_kv` scatters a step's new K/V into the stacked paged cache; `ragged_paged_attention` picks the
-Pallas kernel where the platform has one and falls back to the plain-jnp XLA path below.
-
-The XLA path ("query tiles x KV chunks", flash-attention written in jnp):
+"Query tiles x KV chunks", flash attention written in jnp (the Pallas kernel is
+pallas_kernels/ragged_paged_attention.py; `jaxinfer.ops` chooses between them):
 
 * The flat ragged batch is cut into query tiles of `q_tile` rows that never cross a sequence
   boundary (a sequence with q_len new tokens gets ceil(q_len / q_tile) tiles). The tile count is
@@ -22,81 +20,22 @@ The XLA path ("query tiles x KV chunks", flash-attention written in jnp):
 * Masked scores are set with `where` (never multiplied), and V rows past a sequence's length are
   zeroed, so garbage (even NaN) in unused slots or the null page cannot leak into the output.
 * int8 caches (`KVCache.k_scale`/`v_scale`, f32[L, N, ps, Hkv], one scale per token and head):
-  `write_kv` quantizes each new token's K/V per head (symmetric absmax / 127); the fold loop
-  gathers the chunk's scales with its pages and dequantizes only that chunk: the int8 values are
+  the fold loop gathers the chunk's scales with its pages and dequantizes only that chunk: the int8 values are
   cast to the compute dtype exactly, and the scales multiply whichever is smaller, the logits or
   K (resp. the probabilities or V), as in the Pallas kernel. The whole cache is never dequantized.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.runtime.kv_cache import AttentionMetadata, KVCache, quantize_kv
+from jaxinfer.ops.kv_cache import AttentionMetadata
 
-BACKENDS = ("auto", "xla", "pallas")
 _ELEMENT_BUDGET = 1 << 25  # max elements of one gathered K (or V) chunk and of one score block
 _MAX_Q_TILE = 64
 _MAX_CHUNK_TOKENS = 128  # KV positions per online-softmax step: the loop then only visits the
 # chunks the batch's real contexts reach, so a wide (fixed) page table costs nothing extra.
-# 128 measured best on XLA CPU for a batch-64 decode at context 256 (22 ms/layer vs 97 at 512, 36 at 64)
-
-
-def write_kv(cache: KVCache, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:
-    """Write this step's K/V at [layer, slot // page_size, slot % page_size] (in place under donation).
-
-    layer: i32[] (may be traced); k, v: [T, Hkv, D]; slot_mapping: i32[T]. An int8 cache gets each
-    token's K/V quantized per head, and its scales written at the same [layer, page, offset].
-    """
-    page_size = cache.k.shape[2]
-    page_ids = slot_mapping // page_size  # i32[T]
-    offsets = slot_mapping % page_size  # i32[T]
-    if cache.k_scale is None:
-        return KVCache(
-            k=cache.k.at[layer, page_ids, offsets].set(k.astype(cache.k.dtype)),
-            v=cache.v.at[layer, page_ids, offsets].set(v.astype(cache.v.dtype)),
-        )
-    (k_q, k_s), (v_q, v_s) = quantize_kv(k), quantize_kv(v)  # int8[T, Hkv, D], f32[T, Hkv]
-    return KVCache(
-        k=cache.k.at[layer, page_ids, offsets].set(k_q),
-        v=cache.v.at[layer, page_ids, offsets].set(v_q),
-        k_scale=cache.k_scale.at[layer, page_ids, offsets].set(k_s.astype(cache.k_scale.dtype)),
-        v_scale=cache.v_scale.at[layer, page_ids, offsets].set(v_s.astype(cache.v_scale.dtype)),
-    )
-
-
-def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *, sm_scale: float,
-                           sliding_window: int | None = None, soft_cap: float | None = None,
-                           backend: str = "auto", k_scale=None, v_scale=None) -> jax.Array:
-    """Causal attention of a flat ragged batch of new tokens over the paged cache.
-
-    q: [T, Hq, D]; k_cache, v_cache: [L, N, ps, Hkv, D]; layer: i32[]; returns [T, Hq, D] in q.dtype.
-    k_scale, v_scale: f32[L, N, ps, Hkv] with int8 caches (KVCache.k_scale/v_scale), else None.
-    Rows of padding tokens (past cu_q_lens[-1]) are zero.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"{backend=} must be one of {BACKENDS}")
-    if (k_scale is None) != (v_scale is None) or (k_scale is None) != (k_cache.dtype != jnp.int8):
-        raise ValueError(f"{k_cache.dtype=}: k_scale and v_scale must be given exactly for int8 "
-                         f"caches ({k_scale is None=}, {v_scale is None=})")
-    if backend == "auto":
-        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
-    if backend == "pallas":
-        try:
-            from pallas_kernels.ragged_paged_attention import ragged_paged_attention as kernel
-
-            return kernel(q, k_cache, v_cache, layer, md, sm_scale=sm_scale,
-                          sliding_window=sliding_window, soft_cap=soft_cap,
-                          interpret=jax.default_backend() != "gpu", k_scale=k_scale, v_scale=v_scale)
-        except (ImportError, NotImplementedError) as e:
-            warnings.warn(f"pallas ragged_paged_attention unavailable ({e!r}); using the XLA path",
-                          stacklevel=2)
-    return ragged_paged_attention_xla(q, k_cache, v_cache, layer, md, sm_scale=sm_scale,
-                                      sliding_window=sliding_window, soft_cap=soft_cap,
-                                      k_scale=k_scale, v_scale=v_scale)
 
 
 def _pow2_floor(x: int) -> int:
@@ -240,30 +179,3 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, layer, md: AttentionMetadata
         out = out[tile, local % q_tile]
     token_valid = jnp.arange(num_tokens) < cu_q_lens[-1]
     return jnp.where(token_valid[:, None, None], out, 0).astype(q.dtype)
-
-
-def quantized_matmul(x: jax.Array, qweight, *, backend: str = "auto") -> jax.Array:
-    """x: [..., K] @ a `quant.QuantizedWeight` [K, N] (int8 / int4, one matrix) -> [..., N] in
-    x.dtype. backend: "pallas" runs pallas_kernels/quant_matmul.py (interpret=True off the GPU),
-    "xla" dequantises inside the jit (quant.quantized_matmul), "auto" picks pallas on the GPU and
-    xla elsewhere. A layout the kernel does not handle (e.g. int4 g128 with K/2 not a multiple of
-    128) raises NotImplementedError there and runs on the XLA path, with a warning."""
-    from jaxinfer import quant
-
-    if backend not in BACKENDS:
-        raise ValueError(f"{backend=} must be one of {BACKENDS}")
-    if backend == "auto":
-        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
-    k, n = qweight.shape
-    if backend == "pallas" and qweight.values.ndim == 2 and x.shape[-1] == k:
-        try:
-            from pallas_kernels.quant_matmul import quant_matmul as kernel
-
-            y = kernel(x.reshape(-1, k), qweight.values, qweight.scales, qweight.mins,
-                       bits=qweight.bits, group_size=qweight.group_size,
-                       interpret=jax.default_backend() != "gpu")  # [M, N]
-            return y.reshape(*x.shape[:-1], n)
-        except (ImportError, NotImplementedError) as e:
-            warnings.warn(f"pallas quant_matmul unavailable ({e!r}); using the XLA path",
-                          stacklevel=2)
-    return quant.quantized_matmul(x, qweight)

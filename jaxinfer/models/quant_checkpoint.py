@@ -1,7 +1,8 @@
 """Pre-quantized checkpoints: a quantized model saved with orbax and loaded without re-quantizing.
 
-    quantize_checkpoint("smollm2-135m", "out/", EngineConfig(quantization="int4"))  # the CLI's
-    config, model = load_quantized("out/")                                         # quantize
+    save_quantized(model, "out/", source=model_source("smollm2-135m"))  # after quantizing
+    config, model = load_quantized("out/")
+(`jaxinfer quantize` is `models.loader.quantize_checkpoint`: load quantizing, then save here.)
 
 A checkpoint directory holds:
   quantization.json   format/version, the ModelConfig, the compute dtype, and for every quantized
@@ -25,7 +26,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer import quant
-from jaxinfer.config import EngineConfig, ModelConfig, RopeScaling
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.layers import QuantizedEmbed, QuantizedLinear
+from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.tokenizer import Tokenizer
 
 FORMAT = "jaxinfer-quantized"
 VERSION = 1
@@ -41,8 +45,6 @@ def is_quantized_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def _module_specs(model) -> dict[str, dict]:
-    from jaxinfer.models.layers import QuantizedEmbed, QuantizedLinear
-
     specs = {}
     for path, module in nnx.iter_modules(model):
         if isinstance(module, (QuantizedLinear, QuantizedEmbed)):
@@ -64,8 +66,6 @@ def _quantize_like(w, spec: dict) -> quant.QuantizedWeight:
 def _apply_specs(model, specs: dict[str, dict]):
     """Swap the named float modules for quantized ones of the recorded layouts (used abstractly,
     under nnx.eval_shape, to get the restore target)."""
-    from jaxinfer.models.layers import QuantizedEmbed, QuantizedLinear
-
     for dotted, spec in specs.items():
         *parents, name = dotted.split(".")
         parent = model
@@ -79,20 +79,6 @@ def _apply_specs(model, specs: dict[str, dict]):
             qw = _quantize_like(module.weight[...], spec)
             setattr(parent, name, QuantizedLinear(qw, module.bias, dtype=module.dtype))
     return model
-
-
-def _model_config_to_dict(mc: ModelConfig) -> dict:
-    return dataclasses.asdict(mc)
-
-
-def _model_config_from_dict(d: dict) -> ModelConfig:
-    d = dict(d)
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    for key in ("eos_token_ids", "rope_freq_factors"):
-        if d.get(key) is not None:
-            d[key] = tuple(d[key])
-    return ModelConfig(**d)
 
 
 def _hf_config_dict(mc: ModelConfig) -> dict:
@@ -118,7 +104,7 @@ def _hf_config_dict(mc: ModelConfig) -> dict:
 def save_quantized(model, out_dir: str | os.PathLike, *, source=None) -> str:
     """Write a quantized model (from load_model with quantization) to `out_dir` (must not exist
     or be empty). `source`: the models.loader.ModelSource it came from, for config and tokenizer."""
-    import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp  # heavy: only when a checkpoint is saved
 
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.exists(out_dir) and os.listdir(out_dir):
@@ -132,7 +118,7 @@ def save_quantized(model, out_dir: str | os.PathLike, *, source=None) -> str:
     checkpointer.save(os.path.join(out_dir, PARAMS_DIR), state)
     checkpointer.wait_until_finished()
     manifest = dict(format=FORMAT, version=VERSION, dtype=str(jnp.dtype(model.dtype)),
-                    model_config=_model_config_to_dict(model.config), modules=specs)
+                    model_config=model.config.to_dict(), modules=specs)
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     if source is not None:
@@ -141,8 +127,6 @@ def save_quantized(model, out_dir: str | os.PathLike, *, source=None) -> str:
 
 
 def _copy_config_and_tokenizer(mc: ModelConfig, source, out_dir: str) -> None:
-    from jaxinfer.tokenizer import Tokenizer
-
     if source.is_gguf:
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(_hf_config_dict(mc), f, indent=1)
@@ -160,16 +144,14 @@ def _copy_config_and_tokenizer(mc: ModelConfig, source, out_dir: str) -> None:
 
 def load_quantized(path: str | os.PathLike) -> tuple[ModelConfig, "nnx.Module"]:
     """(ModelConfig, model) from a directory written by save_quantized, weights as stored."""
-    import orbax.checkpoint as ocp
-
-    from jaxinfer.models.llama import LlamaForCausalLM
+    import orbax.checkpoint as ocp  # heavy: only when a checkpoint is loaded
 
     path = os.path.abspath(os.fspath(path))
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise ValueError(f"{path!r} is not a {FORMAT} v{VERSION} checkpoint")
-    config = _model_config_from_dict(manifest["model_config"])
+    config = ModelConfig.from_dict(manifest["model_config"])
     dtype = jnp.dtype(manifest["dtype"])
 
     def build():
@@ -182,15 +164,3 @@ def load_quantized(path: str | os.PathLike) -> tuple[ModelConfig, "nnx.Module"]:
     restored = ocp.StandardCheckpointer().restore(os.path.join(path, PARAMS_DIR), target)
     nnx.replace_by_pure_dict(abstract_state, restored)
     return config, nnx.merge(graphdef, abstract_state)
-
-
-def quantize_checkpoint(model: str, out_dir: str | os.PathLike,
-                        engine_config: EngineConfig) -> str:
-    """`jaxinfer quantize MODEL --quantization int4 --out DIR`: load (quantizing on load, GGUF
-    Q4_0/Q4_1/Q8_0 as stored) and save."""
-    from jaxinfer.models.loader import load_model, model_source
-
-    if engine_config.quantization is None:
-        raise ValueError("quantize needs quantization='int8' or 'int4'")
-    _, q_model = load_model(model, engine_config)
-    return save_quantized(q_model, out_dir, source=model_source(model))

@@ -15,13 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxinfer.config import EngineConfig
+from jaxinfer.models import quant_checkpoint
+from jaxinfer.models.loader import load_model, model_source
+from jaxinfer.models.sequence_pass import chunks, sequence_cache
+from jaxinfer.tokenizer import Tokenizer
+
 
 def perplexity(model, token_ids, *, chunk: int = 512, page_size: int = 16,
                kv_cache_dtype=None) -> float:
     """exp(mean NLL of token_ids[1:] given the tokens before each), one sequence.
     kv_cache_dtype: None (the model's dtype) or e.g. "int8" (quantized KV pages)."""
-    from jaxinfer.runtime.kv_cache import AttentionMetadata, allocate_kv_cache
-
     token_ids = np.asarray(token_ids, np.int32)
     n = len(token_ids)
     if n < 2:
@@ -30,9 +34,7 @@ def perplexity(model, token_ids, *, chunk: int = 512, page_size: int = 16,
         raise ValueError(f"the text has {n} tokens, more than the model's context "
                          f"({model.config.max_position_embeddings})")
     graphdef, state = nnx.split(model)
-    num_pages = -(-n // page_size) + 1
-    pages = np.arange(1, num_pages, dtype=np.int32)  # page 0 is the null page
-    cache = allocate_kv_cache(model.config, num_pages, page_size, kv_cache_dtype or model.dtype)
+    cache = sequence_cache(model, n, page_size, kv_cache_dtype)
 
     @jax.jit
     def chunk_nll(state, cache, ids, pos, md, targets, valid):
@@ -42,39 +44,21 @@ def perplexity(model, token_ids, *, chunk: int = 512, page_size: int = 16,
         picked = jnp.take_along_axis(logp, targets[:, None], axis=-1)[:, 0]
         return -jnp.sum(jnp.where(valid, picked, 0.0)), cache
 
-    total, count = 0.0, 0
-    for start in range(0, n - 1, chunk):
-        stop = min(start + chunk, n - 1)  # tokens start..stop-1 predict start+1..stop
-        q = stop - start
-        ids = np.zeros(chunk, np.int32)
-        ids[:q] = token_ids[start:stop]
-        pos = np.zeros(chunk, np.int32)
-        pos[:q] = np.arange(start, stop)
-        slots = np.arange(chunk, dtype=np.int32) % page_size  # padding -> the null page
-        slots[:q] = pages[pos[:q] // page_size] * page_size + pos[:q] % page_size
+    total = 0.0
+    for c in chunks(token_ids[:-1], chunk, page_size):  # tokens 0..n-2 predict 1..n-1
         targets = np.zeros(chunk, np.int32)
-        targets[:q] = token_ids[start + 1:stop + 1]
-        md = AttentionMetadata(
-            slot_mapping=jnp.asarray(slots), cu_q_lens=jnp.asarray([0, q], jnp.int32),
-            kv_lens=jnp.asarray([stop], jnp.int32), page_indices=jnp.asarray(pages[None, :]),
-            num_seqs=jnp.asarray([1], jnp.int32))
-        nll, cache = chunk_nll(state, cache, jnp.asarray(ids), jnp.asarray(pos), md,
-                               jnp.asarray(targets), jnp.arange(chunk) < q)
+        targets[:c.num_tokens] = token_ids[c.start + 1:c.start + 1 + c.num_tokens]
+        nll, cache = chunk_nll(state, cache, c.input_ids, c.positions, c.md,
+                               jnp.asarray(targets), c.valid)
         total += float(nll)
-        count += q
-    return math.exp(total / count)
+    return math.exp(total / (n - 1))
 
 
 def eval_ppl(model: str, text_file: str | os.PathLike, engine_config=None, *,
              chunk: int = 512) -> tuple[float, int]:
     """`jaxinfer eval-ppl MODEL --text FILE [--quantization ...]` -> (perplexity, num_tokens).
 
-    MODEL may also be a pre-quantized checkpoint directory (jaxinfer.quant_checkpoint)."""
-    from jaxinfer import quant_checkpoint
-    from jaxinfer.config import EngineConfig
-    from jaxinfer.models.loader import load_model, model_source
-    from jaxinfer.tokenizer import Tokenizer
-
+    MODEL may also be a pre-quantized checkpoint directory (models/quant_checkpoint.py)."""
     with open(text_file) as f:
         text = f.read()
     if quant_checkpoint.is_quantized_checkpoint(model):

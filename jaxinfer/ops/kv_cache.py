@@ -1,14 +1,11 @@
-"""The paged KV cache and the per-step attention metadata (both pytrees).
+"""The paged KV cache and the per-step attention metadata (both pytrees), and their sizes.
 
-int8 pages: the cache may hold int8 K/V with one f32 scale per (layer, page, slot, KV head) beside
-the pages (`k_scale`/`v_scale`, None for float caches). Quantization is symmetric per token and
-head (`quantize_kv`: x ~= int8 * absmax / 127), done when a token's K/V is written. Bytes per value
-are 1 + 4 / head_dim (1.0625 at D = 64): 53% of a bfloat16 cache, 27% of a float32 one. f16
-scales would give 1.03 (52% of bf16) for a narrower range and one more cast; not worth it.
-Measured on SmolLM2-135M (f32 weights, XLA CPU): perplexity on tests/data/ppl_text.txt 23.926 with
-an f32 cache, 23.924 bf16, 23.943 int8 (+0.07%); teacher-forced greedy argmax agreement with the
-f32 cache over 404 generated positions 97.8% (bf16: 99.5%), nearly all of the loss from K (K alone
-98.8%, V alone 99.8%): per-token scales suffer from K's outlier channels.
+The cache is one stacked array per K and V, `[L, N, page_size, Hkv, D]`, donated into the step
+and returned, so XLA updates it in place. int8 caches carry one f32 scale per (layer, page, slot,
+KV head) beside the pages (`k_scale`/`v_scale`, None for float caches); the format (symmetric per
+token and head, x ~= int8 * absmax / 127) is `pallas_kernels.kv_write.quantize_kv`, applied when a
+token's K/V is written. Bytes per value are 1 + 4 / head_dim (1.0625 at D = 64): 53% of a bfloat16
+cache, 27% of a float32 one. Its quality is measured in docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -19,10 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
+from pallas_kernels.kv_write import SCALE_DTYPE, dequantize_kv, quantize_kv  # noqa: F401 (the format)
 
-INT8_MAX = 127.0
 KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")
-SCALE_DTYPE = jnp.float32  # the Pallas attention kernel reads f32 scales
 
 
 class KVCache(NamedTuple):
@@ -52,22 +48,6 @@ class AttentionMetadata(NamedTuple):
     kv_lens: jax.Array  # i32[S] context length including this step's tokens; 0 for padding
     page_indices: jax.Array  # i32[S, P] physical page ids; unused entries 0 (the null page)
     num_seqs: jax.Array  # i32[1] real number of sequences
-
-
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x[..., D] float -> (int8[..., D], f32[...] scale), symmetric absmax: x ~= int8 * scale.
-
-    |x - int8 * scale| <= scale / 2 = absmax / 254 per element."""
-    x = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=-1)
-    scale = jnp.maximum(amax, 1e-30) / INT8_MAX  # all-zero rows: scale ~0, values 0
-    q = jnp.clip(jnp.round(x / scale[..., None]), -INT8_MAX, INT8_MAX)
-    return q.astype(jnp.int8), scale.astype(SCALE_DTYPE)
-
-
-def dequantize_kv(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """int8[..., D], f32[...] -> dtype[..., D]."""
-    return (q.astype(jnp.float32) * scale[..., None].astype(jnp.float32)).astype(dtype)
 
 
 def _check_dtype(dtype) -> jnp.dtype:

@@ -1,0 +1,111 @@
+"""The dispatch seam between the model and its kernels: which implementation runs each op.
+
+    write_kv                 the step's new K/V into the paged cache (in place under donation)
+    ragged_paged_attention   the step's attention over the paged cache
+    quantized_matmul         x @ an int8 / int4 `QuantizedWeight`
+
+`backend` is "pallas" (pallas_kernels/, interpreted off the GPU), "xla" (plain jnp: the production
+path on the CPU) or "auto", resolved by `resolve_backend` alone: Pallas on a GPU, XLA elsewhere. A
+kernel that cannot handle a case raises NotImplementedError and the op runs on the XLA path with a
+warning, so every platform runs everything. The implementations live beside this module
+(`xla_attention.py`, `kv_cache.py`) and in `pallas_kernels/` and `jaxinfer/quant/xla.py`.
+"""
+
+from __future__ import annotations
+
+import typing
+import warnings
+
+import jax
+
+from jaxinfer.config import Backend
+from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache
+from jaxinfer.ops.xla_attention import ragged_paged_attention_xla
+from jaxinfer.quant import QuantizedWeight
+from jaxinfer.quant import quantized_matmul as quantized_matmul_xla
+from pallas_kernels.kv_write import write_kv as write_kv_pallas
+from pallas_kernels.kv_write import write_kv_reference as write_kv_xla
+from pallas_kernels.quant_matmul import quant_matmul as quant_matmul_pallas
+from pallas_kernels.ragged_paged_attention import \
+    ragged_paged_attention as ragged_paged_attention_pallas
+
+BACKENDS: tuple[str, ...] = typing.get_args(Backend)
+
+
+def resolve_backend(backend: str) -> str:
+    """"pallas" or "xla" for a backend setting ("auto": Pallas on a GPU, XLA elsewhere)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{backend=} must be one of {BACKENDS}")
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return backend
+
+
+def _interpret() -> bool:
+    """Pallas kernels run compiled on a GPU and in interpret mode everywhere else."""
+    return jax.default_backend() != "gpu"
+
+
+def _fall_back(op: str, e: NotImplementedError) -> None:
+    warnings.warn(f"pallas {op} unavailable for this case ({e}); using the XLA path", stacklevel=3)
+
+
+def write_kv(cache: KVCache, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
+             backend: str = "auto") -> KVCache:
+    """Writes this step's K/V at [layer, slot // page_size, slot % page_size] (in place under
+    donation). layer: i32[] (may be traced); k, v: [T, Hkv, D]; slot_mapping: i32[T]. An int8
+    cache gets each token's K/V quantized per head and its scales written at the same place."""
+    if not cache.quantized:
+        k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+    args = (cache.k, cache.v, layer, k, v, slot_mapping)
+    scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    if resolve_backend(backend) == "pallas":
+        try:
+            return KVCache(*write_kv_pallas(*args, **scales, interpret=_interpret()))
+        except NotImplementedError as e:
+            _fall_back("write_kv", e)
+    return KVCache(*write_kv_xla(*args, **scales))
+
+
+def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *, sm_scale: float,
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           backend: str = "auto", k_scale=None, v_scale=None) -> jax.Array:
+    """Causal attention of a flat ragged batch of new tokens over the paged cache.
+
+    q: [T, Hq, D]; k_cache, v_cache: [L, N, ps, Hkv, D]; layer: i32[]; returns [T, Hq, D] in
+    q.dtype. k_scale, v_scale: f32[L, N, ps, Hkv] exactly when the caches are int8. Rows of
+    padding tokens (past cu_q_lens[-1]) are zero.
+    """
+    if (k_scale is None) != (v_scale is None) or (k_scale is None) != (k_cache.dtype != "int8"):
+        raise ValueError(f"{k_cache.dtype=}: k_scale and v_scale must be given exactly for int8 "
+                         f"caches ({k_scale is None=}, {v_scale is None=})")
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                   k_scale=k_scale, v_scale=v_scale)
+    if resolve_backend(backend) == "pallas":
+        try:
+            return ragged_paged_attention_pallas(
+                q, k_cache, v_cache, layer, md.kv_lens, md.page_indices, md.cu_q_lens,
+                md.num_seqs, interpret=_interpret(), **options)
+        except NotImplementedError as e:
+            _fall_back("ragged_paged_attention", e)
+    return ragged_paged_attention_xla(q, k_cache, v_cache, layer, md, **options)
+
+
+def quantized_matmul(x: jax.Array, qweight: QuantizedWeight, *, backend: str = "auto") -> jax.Array:
+    """x: [..., K] @ a QuantizedWeight [K, N] (int8 / int4, one matrix) -> [..., N] in x.dtype.
+    The Pallas kernel takes one matrix and a matching K; a layout it does not handle (e.g. int4
+    g128 with K/2 not a multiple of 128) runs on the XLA path (dequantize inside the jit)."""
+    k, n = qweight.shape
+    if resolve_backend(backend) == "pallas" and qweight.values.ndim == 2 and x.shape[-1] == k:
+        try:
+            y = quant_matmul_pallas(x.reshape(-1, k), qweight.values, qweight.scales, qweight.mins,
+                                    bits=qweight.bits, group_size=qweight.group_size,
+                                    interpret=_interpret())  # [M, N]
+            return y.reshape(*x.shape[:-1], n)
+        except NotImplementedError as e:
+            _fall_back("quant_matmul", e)
+    return quantized_matmul_xla(x, qweight)
+
+
+__all__ = ["BACKENDS", "AttentionMetadata", "KVCache", "quantized_matmul", "ragged_paged_attention",
+           "resolve_backend", "write_kv"]
