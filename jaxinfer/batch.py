@@ -100,7 +100,7 @@ async def _run(llm, lines: list[str], use_tqdm: bool, max_in_flight: int) -> lis
     import httpx
     from tqdm.auto import tqdm
 
-    from jaxinfer.async_engine import AsyncEngine
+    from jaxinfer.engine.async_engine import AsyncEngine
     from serve.app import create_app
 
     model_name = "batch"

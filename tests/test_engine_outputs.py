@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxinfer.engine_outputs import TextTracker
+from jaxinfer.engine.outputs import TextTracker
 from jaxinfer.request import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from tests.serve.fake_engine import FakeTokenizer

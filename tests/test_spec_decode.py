@@ -32,7 +32,7 @@ def _tokens(outs) -> list[list[int]]:
 
 # ------------------------------------------------------------------------------ host only
 def test_ngram_proposer_prefers_long_recent_matches():
-    from jaxinfer.spec_decode import NgramProposer
+    from jaxinfer.runtime.spec_decode import NgramProposer
 
     ngram = NgramProposer(ngram_min=1, ngram_max=3)
     #            0  1  2  3  4  5  6  7  8  9
@@ -90,7 +90,7 @@ def test_spec_policy_adapts_k_to_acceptance_and_batch():
 
 def test_check_draft_compatible():
     from jaxinfer.config import ModelConfig
-    from jaxinfer.spec_decode import check_draft_compatible
+    from jaxinfer.runtime.spec_decode import check_draft_compatible
 
     cfg = ModelConfig("llama", 100, 8, 16, 1, 2, 1, 4)
     check_draft_compatible(cfg, cfg, {"a": 0, "b": 1}, {"a": 0, "b": 1})
@@ -376,7 +376,7 @@ def _spec_round_fn():
     import jax.numpy as jnp
 
     from jaxinfer.runtime.sampler import default_sampling_metadata, sample
-    from jaxinfer.spec_decode import SpecInputs, draft_sample, verify_drafts
+    from jaxinfer.runtime.spec_decode import SpecInputs, draft_sample, verify_drafts
 
     @jax.jit
     def fn(first_logits, draft_logits, next_table, seeds, position):

@@ -16,7 +16,7 @@ from flax import nnx
 from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache
 from jaxinfer.runtime.sampler import GREEDY_EPS, SamplerOutput, SamplingMetadata, sample
 from jaxinfer.sched.step_input import PackedLayout, unpack
-from jaxinfer.spec_decode import DraftInputs, SpecInputs, propose_drafts, verify_drafts
+from jaxinfer.runtime.spec_decode import DraftInputs, SpecInputs, propose_drafts, verify_drafts
 
 _OPTIONAL_SAMPLING = ("prompt_token_ids", "output_token_ids", "bias_token_ids", "bias_values",
                       "allowed_token_bitmask")

@@ -10,7 +10,7 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
-from jaxinfer.async_engine import AsyncEngine
+from jaxinfer.engine.async_engine import AsyncEngine
 from serve.app import create_app
 from tests.serve.fake_engine import FakeEngine
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from jaxinfer.async_engine import AsyncEngine
+from jaxinfer.engine.async_engine import AsyncEngine
 from serve.app import create_app
 from serve.cli import serve_app
 from tests.serve.fake_engine import FakeEngine

@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from jaxinfer.async_engine import AsyncEngine
+from jaxinfer.engine.async_engine import AsyncEngine
 from serve.app import create_app
 from tests.serve.conftest import MODEL, TIMEOUT, app_client, sse_events
 from tests.serve.fake_engine import GREEDY_TEXT, FakeEngine, FakeTokenizer

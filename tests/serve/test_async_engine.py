@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from jaxinfer.async_engine import AsyncEngine, EngineError, EngineOverloaded, EngineShuttingDown
+from jaxinfer.engine.async_engine import AsyncEngine, EngineError, EngineOverloaded, EngineShuttingDown
 from jaxinfer.sampling_params import SamplingParams
 from tests.serve.fake_engine import GREEDY_TEXT, FakeEngine
 

@@ -7,7 +7,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from jaxinfer import SamplingParams
-from jaxinfer.async_engine import AsyncEngine
+from jaxinfer.engine.async_engine import AsyncEngine
 from serve.app import create_app
 from tests.serve.conftest import sse_events, wait_healthy
 

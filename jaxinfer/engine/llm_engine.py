@@ -11,13 +11,13 @@ from typing import Sequence
 import jax
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine_outputs import OutputProcessor
+from jaxinfer.engine.outputs import OutputProcessor
 from jaxinfer.models.loader import load_model, model_source
 from jaxinfer.request import Request, RequestOutput
 from jaxinfer.ops.kv_cache import kv_cache_bytes_per_page
 from jaxinfer.runtime.runner import ModelRunner, device_memory_bytes_free, kv_dtype_of, param_bytes
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.spec_decode import DraftModel, NgramProposer, load_draft_model
+from jaxinfer.runtime.spec_decode import DraftModel, NgramProposer, load_draft_model
 from jaxinfer.sched.scheduler import Scheduler
 from jaxinfer.sched.spec_policy import SpecPolicy
 from jaxinfer.sched.stats import SchedulerStats
@@ -201,6 +201,10 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, detokenize: bool = True) -> list[RequestOutput]:

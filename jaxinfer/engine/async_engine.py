@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Sequence
 
-from jaxinfer.engine_outputs import TextTracker
+from jaxinfer.engine.outputs import TextTracker
 from jaxinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
