@@ -13,8 +13,8 @@ Portable Pallas subset (pallas_call, BlockSpec, ref slicing, lax.fori_loop): a g
 [K or K/2, block_n] and loops over groups, accumulating in f32. Runs with interpret=True on the
 CPU (tests). On the GPU it lowers through Triton (its CompilerParams are the default: the Mosaic
 GPU lowering stages whole blocks with async copies of at most 256 elements a dimension, which
-these [block_m, K] blocks exceed); `benchmarks/triton_ttir.py` compiles it for sm_90 without a GPU.
-Not yet run on a GPU.
+these [block_m, K] blocks exceed); `benchmarks/triton_ttir.py` compiles it for sm_90 without a GPU,
+and `benchmarks/gpu_check.sh` runs it on one.
 """
 
 from __future__ import annotations

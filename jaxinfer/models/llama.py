@@ -2,7 +2,7 @@
 
 Decoder layers are created stacked (every param has a leading [num_layers] axis) and run under
 `jax.lax.scan` with the whole stacked KV cache in the carry; each layer writes its K/V at
-[layer, page, offset], which XLA does in place when the cache is donated (see NOTES.md).
+[layer, page, offset], which XLA does in place when the cache is donated (docs/architecture.md).
 Q/K/V are one fused projection (`qkv_proj`), gate/up another (`gate_up_proj`): fewer, larger
 matmuls. Every projection is a `layers.Linear`.
 """

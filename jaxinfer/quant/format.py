@@ -111,7 +111,7 @@ def pack_int4(q: jax.Array) -> jax.Array:
 def unpacked_int4(values: jax.Array, k: int) -> jax.Array:
     """u8[..., Kh, N] -> nibbles u8[..., K, N]. For even K as one elementwise fusion (a shift by
     an iota over the two halves, then a free reshape): XLA CPU emits a concatenate inside a
-    fusion element by element, 5-10x slower, so it is used only for odd K."""
+    fusion element by element (docs/quantization.md), so it is used only for odd K."""
     kh, n = values.shape[-2:]
     if k % 2:
         lo, hi = unpack_int4(values, k)

@@ -1,4 +1,10 @@
-"""Error-minimising int4: llama.cpp's k-quant grid search of each group's (scale, min), and GPTQ."""
+"""Error-minimising int4: llama.cpp's k-quant grid search of each group's (scale, min), and GPTQ.
+
+Plain min/max rounding wastes range on outliers; the search picks each group's parameters by the
+weighted squared error they cause, and GPTQ (for the LM head) weights the error by the layer's
+input statistics and feeds each row's rounding error forward. Why these choices, with
+measurements: docs/quantization.md.
+"""
 
 from __future__ import annotations
 
@@ -12,21 +18,6 @@ import numpy as np
 from jaxinfer.quant.format import (INT4_GROUP_SIZES, QuantizedWeight, check_weight, grouped,
                                    int4_from_params, pack_int4, safe_inverse)
 
-
-# ---------------------------------------------------------------------------------------------
-# Error-minimising int4: the k-quant grid search and GPTQ
-#
-# Measured on SmolLM2-135M's tied embedding / LM head (576 x 49152, from the GGUF's Q8_0),
-# perplexity with only the head quantized, int4-g32 asymmetric, float32 23.93:
-#   min/max +7.2%;  search +6.2%;  search weighted by E[h_k^2] of the final hidden states +2.2%
-#   (model-generated text) / +2.9% (random tokens);  GPTQ with the hidden states' covariance
-#   and the weighted search for each group's parameters: +1.5% (generated text) / +1.7-2.2%
-#   (random tokens: 1k-4k of them, short or long sequences, several seeds; equivalent runs
-#   differ by ~0.5% from float rounding alone). Act-order GPTQ and calibrating on sequences
-#   refined by parallel sampling did not help. Whole model, decoder Q4_1 as stored: +2.5%.
-# The final hidden states have a few outlier dimensions (E[h_17^2] = 419 against a median of
-# 0.86), so the head's error must be weighted by them; GPTQ also feeds each row's rounding error
-# into the rows not yet quantized.
 
 SEARCH_STEPS = 20  # candidate ranges per group: (15 - 1 + 0.1 s) / (max - min), s = 0..20
 
@@ -133,15 +124,7 @@ def value_weights(x: jax.Array) -> jax.Array:
     """f32[M, gs] -> sqrt(sigma^2 + x^2), sigma^2 the row's mean square (NaN padding ignored):
     llama.cpp's per-value weighting of the error inside a group (quantize_row_q4_0_impl), which
     favours the large weights. The search's default for symmetric int4 when no activation
-    statistics are given; asymmetric int4 uses the plain squared error. Measured on SmolLM2 with
-    every Linear re-quantized from the GGUF's (dequantized Q4_1) weights, perplexity (float32
-    23.93), min/max | search, uniform weights | search, these weights:
-        g32 symmetric    28.70 | 28.80 | 27.79
-        g64 asymmetric   34.25 | 30.31 | 30.20
-        g128 asymmetric  46.08 | 35.56 | 37.36
-    (symmetric: the plain error would rather clip a group's largest value than coarsen the
-    step; with these weights it does not.) With activation statistics (the LM head's E[h_k^2])
-    they made things worse (head-only +2.9% -> +3.7%), so they are not applied on top."""
+    statistics are given; asymmetric int4 uses the plain squared error (docs/quantization.md)."""
     return jnp.sqrt(jnp.nanmean(x * x, axis=-1, keepdims=True) + x * x)
 
 

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 
 from jaxinfer.quant.format import QuantizedWeight, dequantize, dequantize_rows, unpacked_int4
 
-
+# A matrix of more than _CHUNKED_ABOVE weights (the LM head: 576 x 49152) is multiplied in column
+# chunks of about _CHUNK_WEIGHTS, so the dequantized temporary is a few MB that stays in cache
+# rather than a buffer the size of the head written and read back every step.
 _CHUNK_WEIGHTS = 1 << 20
 _CHUNKED_ABOVE = 4 << 20
 
