@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
-from jaxinfer.batch import run_batch_with  # noqa: E402
+from serve.batch import run_batch_with  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
 
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_model_len=512)
     rng = np.random.default_rng(0)
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.engine.vocab_size
     prompts = [rng.integers(100, vocab - 100, size=int(n)).tolist()
                for n in rng.integers(8, 65, size=args.num_lines)]
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -53,7 +53,7 @@ def main() -> None:
             return sum(len(o.outputs[0].token_ids) for o in outs)
 
         def via_batch() -> int:
-            assert run_batch_with(llm, inp, out, use_tqdm=False) == 0
+            assert run_batch_with(llm.engine, inp, out, use_tqdm=False) == 0
             with open(out) as f:
                 rows = [json.loads(ln) for ln in f]
             return sum(r["response"]["body"]["usage"]["completion_tokens"] for r in rows)

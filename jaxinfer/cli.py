@@ -1,67 +1,43 @@
-"""The `jaxinfer` command: generate, serve, batch (and the quantization tools)."""
+"""The `jaxinfer` command: generate, serve, batch, quantize, eval-ppl.
+
+The engine flags of every subcommand are generated from EngineConfig (jaxinfer/config_args.py);
+`serve` and `batch` are the server package's own entry points (serve/cli.py, serve/batch.py).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import time
 
-DEFAULT_MODEL = "smollm2-135m"
+from jaxinfer.config import EngineConfig
+from jaxinfer.config_args import add_engine_args, engine_kwargs
+from jaxinfer.llm import LLM
+from jaxinfer.models.loader import quantize_checkpoint
+from jaxinfer.models.perplexity import eval_ppl
+from jaxinfer.sampling_params import SamplingParams
+from serve.batch import run_batch
+from serve.cli import DEFAULT_MODEL, add_serve_args, run_serve
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--page-size", type=int, default=None)
-    g.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from --kv-memory-fraction)")
-    g.add_argument("--kv-memory-fraction", type=float, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--kv-cache-dtype", default=None, choices=["float32", "bfloat16", "float16", "int8"],
-                   help="KV cache dtype (default: --dtype); int8 halves KV memory vs bfloat16")
-    g.add_argument("--attention-backend", default=None, choices=["auto", "xla", "pallas"])
-    g.add_argument("--quantization", default=None, choices=["int8", "int4"])
-    g.add_argument("--quant-group-size", type=int, default=None, choices=[32, 64, 128],
-                   help="int4 group size (default 32)")
-    g.add_argument("--quantize-lm-head", action="store_true", default=None,
-                   help="also quantize the LM head / tied embeddings (in the same format: int8, or "
-                        "int4 with GPTQ for the head)")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--speculative-method", default=None, choices=["ngram", "draft"])
-    g.add_argument("--num-speculative-tokens", type=int, default=None)
-    g.add_argument("--draft-model", default=None, help="draft model path (speculative 'draft')")
-    g.add_argument("--scheduling", default=None, choices=["continuous", "static"])
-    g.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"],
-                   help="priority: requests with a lower `priority` run first and may preempt")
-    g.add_argument("--load-format", default=None, choices=["auto", "dummy"])
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ["page_size", "num_pages", "kv_memory_fraction", "max_num_seqs", "max_num_batched_tokens",
-            "max_model_len", "dtype", "kv_cache_dtype", "attention_backend", "quantization",
-            "quant_group_size", "quantize_lm_head", "scheduling", "scheduling_policy", "load_format",
-            "speculative_method", "num_speculative_tokens", "draft_model"]
-    kw = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
-    if getattr(args, "no_prefix_caching", False):
-        kw["enable_prefix_caching"] = False
-    return kw
+# `generate` prints whole answers to a person: the API's default (DEFAULT_MAX_TOKENS, 16) would
+# cut most of them off mid-sentence.
+GENERATE_MAX_TOKENS = 128
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--max-tokens", type=int, default=GENERATE_MAX_TOKENS)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None, help="the requests' seed")
     g.add_argument("--stop", action="append", default=None)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxinfer import LLM, SamplingParams
-
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
@@ -81,17 +57,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from jaxinfer.batch import run_batch
-
     return run_batch(args.input, args.output, args.model, engine_kwargs(args))
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    import time
-
-    from jaxinfer.config import EngineConfig
-    from jaxinfer.models.loader import quantize_checkpoint
-
     if args.quantization is None:
         raise ValueError("quantize needs --quantization int8 or int4")
     t0 = time.perf_counter()
@@ -101,11 +70,6 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
-    import os
-
-    from jaxinfer.config import EngineConfig
-    from jaxinfer.models.perplexity import eval_ppl
-
     if not os.path.isfile(args.text):
         raise ValueError(f"--text {args.text!r} does not exist")
     ppl, n = eval_ppl(args.model, args.text, EngineConfig(**engine_kwargs(args)), chunk=args.chunk)
@@ -114,9 +78,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from serve.cli import run_serve
-
-    return run_serve(args) or 0
+    return run_serve(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--prompt", action="append", help="may be given several times")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    add_engine_args(p)
+    # --seed here is the requests' seed (sampling), which is what EngineConfig.seed stands in for
+    add_engine_args(p, exclude=("seed",))
     add_sampling_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -153,15 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval_ppl)
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
-    try:
-        from serve.cli import add_serve_args
-    except ImportError:  # the server package is optional for the other commands
-        add_serve_args = None
-    if add_serve_args is not None:
-        add_serve_args(p)
-    else:
-        p.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-        add_engine_args(p)
+    add_serve_args(p)
     p.set_defaults(func=cmd_serve)
     return parser
 

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 MAX_LOGPROBS = 20
+DEFAULT_MAX_TOKENS = 16  # output tokens when a request names no limit (OpenAI's completions default)
 MAX_LOGIT_BIAS = 100.0
 
 
@@ -26,7 +27,7 @@ def _is_number(x: Any) -> bool:
 class SamplingParams:
     n: int = 1  # completions per prompt (the engine fans them out into child requests)
     best_of: int | None = None  # >= n; kept for API compatibility, treated as n
-    max_tokens: int | None = 16  # None: up to the context limit
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: up to the context limit
     min_tokens: int = 0  # EOS / stop_token_ids do not stop before this many output tokens
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0  # 1.0: off

@@ -25,9 +25,15 @@ import threading
 import time
 import tomllib
 
+import jax
 import uvicorn
 
+from jaxinfer.config import EngineConfig
+from jaxinfer.config_args import add_engine_args, engine_kwargs
+from jaxinfer.engine import LLMEngine
+from jaxinfer.engine.async_engine import AsyncEngine
 from serve import DEFAULT_MAX_BODY_BYTES
+from serve.app import create_app
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +47,7 @@ def default_compilation_cache_dir() -> str:
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from jaxinfer.cli import add_engine_args
-
+    """The server's flags, then every engine flag (generated from EngineConfig)."""
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                         help="HF checkpoint directory, .gguf file or a known name "
                              f"(default: {DEFAULT_MODEL})")
@@ -77,8 +82,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def load_preset(path: str) -> dict:
     """EngineConfig fields from a TOML file (top level or an [engine] table)."""
-    from jaxinfer.config import EngineConfig
-
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -100,16 +103,12 @@ def load_preset(path: str) -> dict:
 def engine_settings(args: argparse.Namespace) -> dict:
     """Preset (if any) overridden by the engine flags given (every engine flag defaults to None,
     so only flags on the command line appear in `engine_kwargs`)."""
-    from jaxinfer.cli import engine_kwargs
-
     settings = load_preset(args.config) if getattr(args, "config", None) else {}
     settings.update(engine_kwargs(args))
     return settings
 
 
 def enable_compilation_cache(path: str) -> None:
-    import jax
-
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -136,9 +135,6 @@ def _is_loopback(host: str) -> bool:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from jaxinfer.async_engine import AsyncEngine
-    from serve.app import create_app
-
     api_key = resolve_api_key(args)
     if not _is_loopback(args.host) and api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it",
@@ -146,9 +142,6 @@ def run_serve(args: argparse.Namespace) -> int:
     if not args.no_compilation_cache:
         enable_compilation_cache(args.compilation_cache_dir)
     settings = engine_settings(args)
-
-    from jaxinfer.engine import LLMEngine
-
     t0 = time.perf_counter()
     engine = LLMEngine(args.model, tokenizer=args.tokenizer, **settings)
     logger.info("engine built in %.1f s (%s)", time.perf_counter() - t0, settings)

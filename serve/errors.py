@@ -1,12 +1,18 @@
-"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with an HTTP status, and
+the status each kind of failure gets (validation 400, unknown model 404, engine overload 503...)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 from pydantic import ValidationError
 from starlette.responses import Response
+
+from jaxinfer.engine.async_engine import EngineError, EngineOverloaded, EngineShuttingDown
+
+logger = logging.getLogger(__name__)
 
 _PARAM_RE = re.compile(r"^\s*(?:logit_bias\[\d+\]|([A-Za-z_][A-Za-z0-9_]*))\s*=")
 
@@ -83,3 +89,20 @@ def context_length_error(num_prompt_tokens: int, max_model_len: int,
 def model_not_found(name: str) -> APIError:
     return APIError(404, f"The model `{name}` does not exist.", param="model",
                     code="model_not_found")
+
+
+def engine_api_error(e: BaseException, renames: dict[str, str] | None = None) -> APIError:
+    """The APIError of a failed engine request: a full queue or a shutdown 503, a ValueError 400
+    (naming the field, see from_value_error), an engine failure 500."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineOverloaded):
+        return APIError(503, str(e), code="server_overloaded")
+    if isinstance(e, EngineShuttingDown):
+        return APIError(503, str(e), code="server_shutting_down")
+    if isinstance(e, ValueError):
+        return from_value_error(e, renames)
+    if isinstance(e, EngineError):
+        return APIError(500, str(e), code="engine_error")
+    logger.error("request failed", exc_info=e)
+    return APIError(500, f"internal server error: {type(e).__name__}", code="internal_error")

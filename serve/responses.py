@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Callable
 
 TokenText = Callable[[int], str]  # token id -> its text (for logprobs)
@@ -155,10 +154,3 @@ def chat_chunk(request_id: str, created: int, model: str, choices: list[dict],
         body["usage"] = usage_
     return body
 
-
-def sse(obj: dict | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-SSE_DONE = b"data: [DONE]\n\n"

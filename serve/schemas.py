@@ -11,13 +11,15 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 
+from jaxinfer.sampling_params import DEFAULT_MAX_TOKENS
+
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 16  # OpenAI allows 4; each one is searched in every streamed step
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 # Order matters: pydantic tries the union members left to right in smart mode on exact type match.
-Prompt = Union[StrictStr, Annotated[list[StrictStr], Field(min_length=1)], TokenIds,
+CompletionPrompt = Union[StrictStr, Annotated[list[StrictStr], Field(min_length=1)], TokenIds,
                Annotated[list[TokenIds], Field(min_length=1)]]
 
 
@@ -25,14 +27,19 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class ModelRequest(_Body):
+    """A request body; `model`, when given, must be the served model's name."""
+
+    model: str | None = None
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(_Body):
+class SamplingFields(ModelRequest):
     """The fields completions and chat share."""
 
-    model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -64,9 +71,9 @@ class _SamplingFields(_Body):
         return v
 
 
-class CompletionRequest(_SamplingFields):
-    prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+class CompletionRequest(SamplingFields):
+    prompt: CompletionPrompt
+    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
@@ -98,22 +105,20 @@ class ChatMessage(_Body):
         return "".join(texts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)  # None: up to the context, as OpenAI's chat
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True  # extension: False continues the last assistant message
 
 
-class TokenizeRequest(_Body):
-    model: str | None = None
+class TokenizeRequest(ModelRequest):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Body):
-    model: str | None = None
+class DetokenizeRequest(ModelRequest):
     tokens: list[StrictInt]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from jaxinfer.batch import run_batch_with
 from jaxinfer.cli import main
+from serve.batch import run_batch_with
 
 
 def test_generate_missing_model_exits_2(tmp_path, capsys):
@@ -48,7 +48,7 @@ def test_batch_job_mixed_lines(tiny_llm, tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     out = tmp_path / "out.jsonl"
-    assert run_batch_with(tiny_llm, str(inp), str(out), use_tqdm=False) == 1  # some lines failed
+    assert run_batch_with(tiny_llm.engine, str(inp), str(out), use_tqdm=False) == 1  # some lines failed
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["custom_id"] for r in rows] == ["a", "b", "c", "3", "e", "f", "g"]
     expected = tiny_llm.generate(["The quick brown fox"], SamplingParams(max_tokens=3, **greedy),

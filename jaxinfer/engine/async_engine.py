@@ -1,13 +1,14 @@
-"""AsyncEngine: runs an LLMEngine on its own thread and streams RequestOutputs to asyncio callers.
+"""AsyncEngine: runs an engine (an EngineClient: LLMEngine, or a test fake) on its own thread and
+streams RequestOutputs to asyncio callers.
 
 The engine is not thread-safe, so every engine call (add, abort, step, warm-up, metrics snapshot)
 happens on the one engine thread. The asyncio side talks to it through a command queue and gets
 outputs back through per-request asyncio queues, fed with `loop.call_soon_threadsafe` (one callback
-per step, not per output). The event loop never waits on a step. Where the engine can (`step`
-takes `detokenize`), its outputs carry token ids only and each request's text and stop strings are
-worked out here, in the request's own `generate` coroutine (engine_outputs.TextTracker): off the
-engine thread, so detokenizing overlaps the next step, and a consumer that lags decodes only once
-for several steps. A stop string found here ends the request on the engine thread (`finish_request`).
+per step, not per output). The event loop never waits on a step. The engine's outputs carry token
+ids only (`step(detokenize=False)`); each request's text and stop strings are worked out here, in
+the request's own `generate` coroutine (engine/outputs.py: TextTracker): off the engine thread, so
+detokenizing overlaps the next step, and a consumer that lags decodes only once for several steps.
+A stop string found here ends the request on the engine thread (`finish_request`).
 
     async_engine = AsyncEngine(engine, max_waiting=1024)
     await async_engine.start()                       # warm-up runs on the engine thread
@@ -25,14 +26,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import inspect
 import logging
 import queue
 import threading
 import time
 from typing import Any, AsyncIterator, Sequence
 
+from jaxinfer.engine.client import EngineClient
 from jaxinfer.engine.outputs import TextTracker
+from jaxinfer.request import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ _METRICS_PERIOD_S = 0.05  # engine.metrics is read at most this often while step
 
 
 class AsyncEngine:
-    def __init__(self, engine, *, max_waiting: int = 1024, warmup: bool = True,
+    def __init__(self, engine: EngineClient, *, max_waiting: int = 1024, warmup: bool = True,
                  idle_poll_s: float = 0.05):
         if max_waiting <= 0:
             raise ValueError(f"{max_waiting=} must be positive")
@@ -69,8 +71,6 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self._do_warmup = warmup
         self._idle_poll_s = idle_poll_s
-        # Token-only outputs from the engine, detokenized by the consumer (see the module doc).
-        self._detokenize_here = "detokenize" in inspect.signature(engine.step).parameters
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -94,8 +94,12 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
-    def max_model_len(self) -> int | None:
-        return getattr(self.engine, "max_model_len", None)
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
 
     @property
     def is_ready(self) -> bool:
@@ -160,8 +164,8 @@ class AsyncEngine:
         self._thread = None
 
     # -- requests -------------------------------------------------------------------------------
-    async def generate(self, prompt: str | Sequence[int], params, request_id: str,
-                       priority: int = 0) -> AsyncIterator:
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None,
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields cumulative RequestOutputs for one request; the last has `finished` set.
 
         Raises ValueError (bad prompt/params, from `engine.add_request`), EngineOverloaded,
@@ -192,14 +196,13 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True  # the engine side already dropped it
                     raise item
-                if self._detokenize_here:
-                    if text is None:
-                        text = TextTracker(self.tokenizer, item.prompt_token_ids,
-                                           params if params is not None else SamplingParams())
-                    engine_finished = item.finished
-                    item = text.apply(item)
-                    if item.finished and not engine_finished:  # a stop string: end it there
-                        self._send(_FINISH, request_id, text.stop_reason)
+                if text is None:
+                    text = TextTracker(self.tokenizer, item.prompt_token_ids,
+                                       params if params is not None else SamplingParams())
+                engine_finished = item.finished
+                item = text.apply(item)
+                if item.finished and not engine_finished:  # a stop string: end it there
+                    self._send(_FINISH, request_id, text.stop_reason)
                 if item.finished:
                     finished = True
                 yield item
@@ -263,7 +266,7 @@ class AsyncEngine:
     # -- engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
-        if self._do_warmup and hasattr(engine, "warmup"):
+        if self._do_warmup:
             t0 = time.perf_counter()
             try:
                 engine.warmup()
@@ -286,7 +289,7 @@ class AsyncEngine:
                     self._wake.wait(self._idle_poll_s)
                     self._wake.clear()
                     continue
-                outputs = engine.step(detokenize=False) if self._detokenize_here else engine.step()
+                outputs = engine.step(detokenize=False)
             except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
                 self._on_step_error(e, in_flight)
                 continue

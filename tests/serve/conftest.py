@@ -49,11 +49,12 @@ def wait_healthy(client, timeout: float = TIMEOUT) -> None:
 
 
 def sse_events(text: str) -> list:
-    """The `data:` payloads of an SSE body: parsed JSON, or the string "[DONE]"."""
+    """The `data:` payloads of an SSE body: parsed JSON, or the string "[DONE]". Comment blocks
+    (`: ping`, sse-starlette's keep-alive) are skipped, as SSE clients do."""
     events = []
     for block in text.split("\n\n"):
         block = block.strip()
-        if not block:
+        if not block or block.startswith(":"):
             continue
         assert block.startswith("data: "), block
         payload = block[len("data: "):]

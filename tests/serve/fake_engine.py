@@ -1,9 +1,13 @@
-"""A fake LLMEngine with the real one's interface (docs/contracts.md, "Engine"), for server tests.
+"""A fake engine implementing EngineClient (jaxinfer/engine/client.py) as LLMEngine does, for the
+server tests.
 
 No JAX: a byte-level tokenizer and a deterministic "model" (greedy output cycles through a fixed
 sentence; seeded sampling draws bytes from a PRNG keyed on (seed, position)). It keeps a page pool
 so tests can check that aborted and finished requests give their pages back, runs at most
-`max_num_seqs` requests per step, and asserts that every call comes from a single thread.
+`max_num_seqs` requests per step, and asserts that every call comes from a single thread. As in
+LLMEngine, `step(detokenize=False)` returns token-only outputs (empty text) and leaves stop strings
+to the caller (AsyncEngine's TextTracker, which ends the request with `finish_request`);
+`step()` detokenizes and stops at stop strings itself, with the same TextTracker.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import random
 import threading
 import time
 
+from jaxinfer.engine.outputs import TextTracker
 from jaxinfer.request import CompletionOutput, RequestMetrics, RequestOutput, SampledLogprobs
 from jaxinfer.sampling_params import SamplingParams
 
@@ -29,23 +34,24 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [b + _OFFSET for b in text.encode()]
 
+    def encode_chat_prompt(self, text: str) -> list[int]:
+        return self.encode(text, add_special_tokens=False)
+
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         data = bytes(t - _OFFSET for t in token_ids if t >= _OFFSET)
         specials = "" if skip_special_tokens else "".join(
             {PAD: "<pad>", BOS: "<s>", EOS: "</s>"}[t] for t in token_ids if t < _OFFSET)
         return data.decode("utf-8", errors="replace") + specials
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+    def render_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         for m in messages:
             if m["role"] == "tool":
                 raise ValueError("this template has no tool role")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         return text + ("<assistant>" if add_generation_prompt else "")
 
-
-@dataclasses.dataclass
-class FakeModelConfig:
-    vocab_size: int = FakeTokenizer.vocab_size
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        return self.encode_chat_prompt(self.render_chat_template(messages, add_generation_prompt))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +78,13 @@ class _Req:
     num_pages: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    text: str = ""
+    text: TextTracker | None = None  # step(detokenize=True) only
 
 
 class FakeEngine:
     def __init__(self, *, max_model_len: int = 256, max_num_seqs: int = 8, page_size: int = 4,
                  num_pages: int = 1024, step_delay_s: float = 0.0, warmup_delay_s: float = 0.0):
         self.tokenizer = FakeTokenizer()
-        self.model_config = FakeModelConfig()
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.page_size = page_size
@@ -97,6 +102,10 @@ class FakeEngine:
         self._thread_id: int | None = None
 
     # -- the contract ---------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return FakeTokenizer.vocab_size
+
     def warmup(self) -> None:
         self._check_thread()
         time.sleep(self.warmup_delay_s)
@@ -125,11 +134,20 @@ class FakeEngine:
                     queue.remove(r)
                     self._free(r)
 
+    def finish_request(self, request_id, reason="stop", stop_reason=None):
+        self._check_thread()
+        for queue in (self._waiting, self._running):
+            for r in list(queue):
+                if r.request_id == request_id:
+                    r.finish_reason, r.stop_reason = reason, stop_reason
+                    queue.remove(r)
+                    self._free(r)
+
     def has_unfinished_requests(self) -> bool:
         self._check_thread()
         return bool(self._waiting or self._running)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, detokenize: bool = True) -> list[RequestOutput]:
         self._check_thread()
         if self.fail_steps > 0:
             self.fail_steps -= 1
@@ -144,7 +162,7 @@ class FakeEngine:
         outputs = []
         for r in list(self._running):
             self._decode_one(r)
-            outputs.append(self._output(r))
+            outputs.append(self._output(r, detokenize))
             if r.finish_reason is not None:
                 self._running.remove(r)
                 self._free(r)
@@ -178,26 +196,18 @@ class FakeEngine:
             tops = [token] + [t for t in (ord("x") + _OFFSET, ord("y") + _OFFSET) if t != token]
             r.logprobs.append(SampledLogprobs(token, -0.25, tops[:r.params.logprobs],
                                               [-0.25, -1.5, -2.5][:r.params.logprobs]))
-        r.text = self.tokenizer.decode(r.output_token_ids)
         n = len(r.output_token_ids)
         p = r.params
         if n >= p.min_tokens and token in (p.stop_token_ids or []):
             r.finish_reason, r.stop_reason = "stop", token
-        elif p.stop_list():
-            for s in p.stop_list():
-                i = r.text.find(s)
-                if i >= 0:
-                    r.text = r.text[: i + (len(s) if p.include_stop_str_in_output else 0)]
-                    r.finish_reason, r.stop_reason = "stop", s
-                    break
         if r.finish_reason is None and (
                 (p.max_tokens is not None and n >= p.max_tokens)
                 or len(r.prompt_token_ids) + n >= self.max_model_len):
             r.finish_reason = "length"
 
-    def _output(self, r: _Req) -> RequestOutput:
+    def _output(self, r: _Req, detokenize: bool) -> RequestOutput:
         completion = CompletionOutput(
-            index=0, text=r.text, token_ids=list(r.output_token_ids),
+            index=0, text="", token_ids=list(r.output_token_ids),
             finish_reason=r.finish_reason, stop_reason=r.stop_reason,
             logprobs=list(r.logprobs) if r.params.logprobs is not None else None)
         metrics = RequestMetrics(r.arrival_time, None, None, None, None, len(r.prompt_token_ids),
@@ -207,8 +217,16 @@ class FakeEngine:
             k = r.params.prompt_logprobs
             prompt_lps = [None] + [SampledLogprobs(t, -i / 10, [t][:k], [-i / 10][:k])
                                    for i, t in enumerate(r.prompt_token_ids[1:], 1)]
-        return RequestOutput(r.request_id, None, r.prompt_token_ids, [completion],
-                             r.finish_reason is not None, metrics, prompt_logprobs=prompt_lps)
+        out = RequestOutput(r.request_id, None, r.prompt_token_ids, [completion],
+                            r.finish_reason is not None, metrics, prompt_logprobs=prompt_lps)
+        if not detokenize:
+            return out
+        if r.text is None:  # as LLMEngine's OutputProcessor: text, and stop strings end it here
+            r.text = TextTracker(self.tokenizer, r.prompt_token_ids, r.params)
+        out = r.text.apply(out)
+        if out.finished and r.finish_reason is None:
+            r.finish_reason, r.stop_reason = "stop", r.text.stop_reason
+        return out
 
     def _free(self, r: _Req) -> None:
         self._used_pages -= r.num_pages

@@ -23,7 +23,7 @@ def greedy(prompt_ids, n):
 
 
 def chat_ids(messages):
-    return TOK.encode(TOK.apply_chat_template(messages, add_generation_prompt=True))
+    return TOK.apply_chat_template(messages, add_generation_prompt=True)
 
 
 def assert_error(r, status, param=None, code=None, type_=None):
@@ -395,9 +395,9 @@ class _GatedEngine(FakeEngine):
         super().__init__(**kw)
         self.gate = threading.Event()
 
-    def step(self):
+    def step(self, detokenize=True):
         self.gate.wait(TIMEOUT)
-        return super().step()
+        return super().step(detokenize)
 
 
 @pytest.mark.anyio

@@ -16,6 +16,9 @@ Output, one line per input line, in input order:
 - a plain line gets {"custom_id", "text", "finish_reason", "usage"} (the first choice), or
   {"custom_id", "error": {"message", "line"}}.
 A bad line never stops the job; the exit code is 1 when some line failed.
+
+It lives with the server because it is a client of the server's app; it builds the engine itself
+(`LLMEngine`), not through the Python API (`jaxinfer.llm`), which is the app's sibling, not its base.
 """
 
 from __future__ import annotations
@@ -27,6 +30,13 @@ import os
 import sys
 import uuid
 from typing import Any
+
+import httpx
+from tqdm.auto import tqdm
+
+from jaxinfer.engine import EngineClient, LLMEngine
+from jaxinfer.engine.async_engine import AsyncEngine
+from serve.app import create_app
 
 _URLS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _RETRY_S = 0.05  # a 503 (waiting queue full) is retried after this long
@@ -74,20 +84,21 @@ def parse_line(obj: Any, index: int) -> BatchLine:
 
 
 def run_batch(input_path: str, output_path: str, model: str, engine_kwargs: dict) -> int:
-    from jaxinfer.llm import LLM
-
+    """`jaxinfer batch`: builds the engine for `model` (EngineConfig fields in `engine_kwargs`)
+    and runs the file through it (see run_batch_with)."""
     if not os.path.isfile(input_path):
         raise ValueError(f"input file {input_path!r} does not exist")
-    return run_batch_with(LLM(model, **engine_kwargs), input_path, output_path)
+    return run_batch_with(LLMEngine(model, **engine_kwargs), input_path, output_path)
 
 
-def run_batch_with(llm, input_path: str, output_path: str, *, use_tqdm: bool = True,
-                   max_in_flight: int = 1024) -> int:
-    """Runs every line of `input_path` through `llm`'s engine; returns 0, or 1 when some line
-    failed. At most `max_in_flight` lines are posted at once (the rest wait their turn)."""
+def run_batch_with(engine: EngineClient, input_path: str, output_path: str, *,
+                   use_tqdm: bool = True, max_in_flight: int = 1024) -> int:
+    """Runs every line of `input_path` through `engine`; returns 0, or 1 when some line failed.
+    At most `max_in_flight` lines are posted at once (the rest wait their turn). The engine must
+    not be used by anyone else meanwhile (the job drives it from a thread of its own)."""
     with open(input_path) as f:
         lines = [ln for ln in f if ln.strip()]
-    results = asyncio.run(_run(llm, lines, use_tqdm, max_in_flight))
+    results = asyncio.run(_run(engine, lines, use_tqdm, max_in_flight))
     with open(output_path, "w") as f:
         for r in results:
             f.write(json.dumps(r) + "\n")
@@ -96,18 +107,13 @@ def run_batch_with(llm, input_path: str, output_path: str, *, use_tqdm: bool = T
     return 0 if num_errors == 0 else 1
 
 
-async def _run(llm, lines: list[str], use_tqdm: bool, max_in_flight: int) -> list[dict]:
-    import httpx
-    from tqdm.auto import tqdm
-
-    from jaxinfer.engine.async_engine import AsyncEngine
-    from serve.app import create_app
-
+async def _run(engine: EngineClient, lines: list[str], use_tqdm: bool,
+               max_in_flight: int) -> list[dict]:
     model_name = "batch"
-    engine = AsyncEngine(llm.engine, max_waiting=max(max_in_flight, 1), warmup=False)
-    app = create_app(engine, served_model_name=model_name)
+    async_engine = AsyncEngine(engine, max_waiting=max(max_in_flight, 1), warmup=False)
+    app = create_app(async_engine, served_model_name=model_name)
     slots = asyncio.Semaphore(max_in_flight)
-    await engine.wait_ready()
+    await async_engine.wait_ready()
     try:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://batch",
@@ -122,7 +128,7 @@ async def _run(llm, lines: list[str], use_tqdm: bool, max_in_flight: int) -> lis
 
                 return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(lines))))
     finally:
-        await engine.shutdown()
+        await async_engine.shutdown()
 
 
 async def _answer(client, index: int, text: str, model_name: str) -> dict:

@@ -1,0 +1,124 @@
+"""POST /v1/chat/completions: a reply to a conversation (rendered by the model's chat template),
+`n` choices, streamed or not. Without max_tokens / max_completion_tokens a reply may run to the
+end of the context, as in OpenAI's API."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from jaxinfer.request import RequestOutput
+from serve import responses as R
+from serve.body import parse_body
+from serve.disconnect import ClientGone
+from serve.errors import APIError
+from serve.jobs import Finals, Job, collect, plan_jobs, usage
+from serve.prompts import chat_prompt
+from serve.schemas import ChatCompletionRequest
+from serve.state import ServerState
+from serve.streaming import stream_response
+
+ENDPOINT = "chat"  # the metrics label
+
+
+async def chat_completions(server: ServerState, request: Request) -> Response:
+    t0 = time.monotonic()
+    engine = server.engine
+    try:
+        req = await parse_body(request, ChatCompletionRequest,
+                               max_body_bytes=server.max_body_bytes, model_name=server.model_name)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        prompt = await chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = plan_jobs(engine, request_id, [prompt], req, max_tokens=_max_tokens(req),
+                         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                         prompt_param="messages", max_tokens_param=_max_tokens_param(req))
+    except APIError as e:
+        return server.error(ENDPOINT, e)
+    writer = ChatWriter(server, req, request_id, jobs)
+    if req.stream:
+        return await stream_response(server, request, ENDPOINT, jobs, t0, writer)
+    try:
+        finals = await collect(request, engine, server.metrics, jobs, t0,
+                               {"max_tokens": _max_tokens_param(req)})
+    except ClientGone:
+        return server.gone(ENDPOINT)
+    except APIError as e:
+        return server.error(ENDPOINT, e)
+    server.ok(ENDPOINT)
+    return JSONResponse(writer.body(finals))
+
+
+def _max_tokens(req: ChatCompletionRequest) -> int | None:
+    return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+
+def _max_tokens_param(req: ChatCompletionRequest) -> str:
+    """The API's name of the limit the request set (for errors about it)."""
+    return "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+
+
+class ChatWriter:
+    """The chunks (streaming) or the body of one chat request, from its jobs' cumulative outputs;
+    each choice's ChoiceState remembers what was sent."""
+
+    def __init__(self, server: ServerState, req: ChatCompletionRequest, request_id: str,
+                 jobs: list[Job]):
+        self.req = req
+        self.request_id = request_id
+        self.model_name = server.model_name
+        self.token_text = server.token_texts
+        self.created = int(time.time())
+        self.jobs = jobs
+        self.num_top = req.top_logprobs or 0
+        self.states = {j.index: R.ChoiceState(j.index, len(j.prompt.token_ids)) for j in jobs}
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        self.include_usage = include_usage
+        self.chunk_usage = None if include_usage else ...  # `usage: null` in chunks, or no key
+
+    # -- streaming (serve/streaming.py: ChunkWriter) ---------------------------------------------
+    def opening(self) -> list[dict]:
+        return [self._chunk([{"index": j.index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}], self.chunk_usage)
+                for j in self.jobs]
+
+    def chunks(self, job: Job, out: RequestOutput) -> list[dict]:
+        st = self.states[job.index]
+        c = out.outputs[0]
+        new_text, new_lps = st.delta(c)
+        if not new_text and not new_lps and c.finish_reason is None:
+            return []
+        choice = {"index": job.index, "delta": {"content": new_text} if new_text else {},
+                  "logprobs": self._logprobs(new_lps),
+                  "finish_reason": st.finish_reason if c.finish_reason else None}
+        return [self._chunk([choice], self.chunk_usage)]
+
+    def closing(self, finals: Finals) -> list[dict]:
+        if not self.include_usage:
+            return []
+        return [self._chunk([], usage(self.jobs, self.states, finals))]
+
+    # -- not streaming -------------------------------------------------------------------------
+    def body(self, finals: Finals) -> dict:
+        choices = []
+        for index in sorted(finals):
+            _, out = finals[index]
+            st = self.states[index]
+            c = out.outputs[0]
+            st.delta(c)
+            choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": self._logprobs(list(c.logprobs or [])[:len(c.token_ids)]),
+                            "finish_reason": st.finish_reason, "stop_reason": c.stop_reason})
+        return R.chat_body(self.request_id, self.created, self.model_name, choices,
+                           usage(self.jobs, self.states, finals))
+
+    # -- parts ---------------------------------------------------------------------------------
+    def _chunk(self, choices: list[dict], usage_) -> dict:
+        return R.chat_chunk(self.request_id, self.created, self.model_name, choices, usage_)
+
+    def _logprobs(self, entries: list) -> dict | None:
+        return R.chat_logprobs(entries, self.token_text, self.num_top) if self.req.logprobs else None

@@ -1,0 +1,73 @@
+"""The prompts of a request as token ids: chat messages through the model's chat template, and
+completion prompts in the API's four forms (a text, texts, token ids, lists of token ids).
+
+Tokenizing runs on a worker thread (`asyncio.to_thread`), off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Sequence
+
+from jaxinfer.tokenizer import Tokenizer
+from serve.errors import APIError
+from serve.schemas import ChatMessage, CompletionPrompt
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # what `echo` sends back; None when the client sent token ids or messages
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """APIError (400 naming `param`) for ids outside [0, vocab_size)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(400, f"{param} holds token ids outside the vocabulary [0, {vocab_size}): "
+                            f"{bad[:5]}", param=param, code="invalid_value")
+
+
+async def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage],
+                      add_generation_prompt: bool) -> Prompt:
+    """The token ids of `messages` rendered by the chat template; a template that refuses them
+    (or has no chat template) is a 400 on `messages`."""
+    try:
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages", code="invalid_value") from None
+    try:
+        token_ids = await asyncio.to_thread(tokenizer.apply_chat_template, conversation,
+                                            add_generation_prompt=add_generation_prompt)
+    except (ValueError, TypeError, KeyError) as e:
+        raise APIError(400, f"the chat template failed on these messages: {e}",
+                       param="messages", code="invalid_value") from None
+    except Exception as e:  # jinja2 TemplateError (raise_exception in the template) and kin
+        if type(e).__module__.startswith("jinja2"):
+            raise APIError(400, f"the chat template refused these messages: {e}",
+                           param="messages", code="invalid_value") from None
+        raise
+    return Prompt(list(token_ids), None)
+
+
+async def completion_prompts(tokenizer: Tokenizer, prompt: CompletionPrompt,
+                             vocab_size: int) -> list[Prompt]:
+    """One Prompt per prompt of a completions request (validated by the schema already)."""
+    if isinstance(prompt, str):
+        texts = [prompt]
+    elif prompt and isinstance(prompt[0], str):
+        texts = list(prompt)
+    elif prompt and isinstance(prompt[0], int):
+        check_token_ids(prompt, vocab_size, "prompt")
+        return [Prompt(list(prompt), None)]
+    else:
+        for ids in prompt:
+            check_token_ids(ids, vocab_size, "prompt")
+        return [Prompt(list(ids), None) for ids in prompt]
+    ids_list = await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts])
+    for text, ids in zip(texts, ids_list):
+        if not ids:
+            raise APIError(400, f"prompt {text!r} encodes to no tokens", param="prompt",
+                           code="invalid_value")
+    return [Prompt(list(ids), text) for ids, text in zip(ids_list, texts)]
