@@ -10,10 +10,11 @@ import argparse
 import logging
 import os
 import sys
+import textwrap
 import time
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.config_args import add_engine_args, engine_kwargs
+from jaxinfer.config_args import add_engine_args, engine_flags, engine_kwargs
 from jaxinfer.llm import LLM
 from jaxinfer.models.loader import quantize_checkpoint
 from jaxinfer.models.perplexity import eval_ppl
@@ -82,7 +83,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference on JAX/XLA")
+    engine_options = ", ".join(f.option_strings[0] for f in engine_flags())
+    epilog = textwrap.fill(f"Every command takes the engine flags (EngineConfig fields): "
+                           f"{engine_options}. `jaxinfer COMMAND --help` explains them.",
+                           width=100, break_on_hyphens=False)
+    parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference on JAX/XLA",
+                                     epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -27,6 +27,7 @@ from typing import Any, Iterable
 from jaxinfer.config import EngineConfig, literal_choices
 
 _SCALARS = (int, float, str)
+_GIVEN_FIELDS = "engine_config_fields"  # argparse dest: the fields add_engine_args added
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +42,14 @@ class EngineFlag:
     help: str
 
 
-def engine_flags() -> list[EngineFlag]:
-    """One EngineFlag per EngineConfig field, in field order. TypeError names a field whose type
-    has no command-line form."""
-    hints = typing.get_type_hints(EngineConfig)
-    comments = field_comments(EngineConfig)
+def engine_flags(config: type = EngineConfig) -> list[EngineFlag]:
+    """One EngineFlag per field of `config` (EngineConfig, or a dataclass extending it), in field
+    order. TypeError names a field whose type has no command-line form."""
+    hints = typing.get_type_hints(config)
+    comments = field_comments(config)
     flags = []
-    for field in dataclasses.fields(EngineConfig):
-        scalar, choices = _scalar_type(field.name, hints[field.name])
+    for field in dataclasses.fields(config):
+        scalar, choices = _scalar_type(config, field.name, hints[field.name])
         flag = "--" + field.name.replace("_", "-")
         if scalar is bool:
             names = [flag]
@@ -71,9 +72,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] =
     if unknown:
         raise ValueError(f"exclude={sorted(unknown)} must name EngineConfig fields")
     group = parser.add_argument_group("engine", "EngineConfig settings (jaxinfer/config.py)")
-    for flag in engine_flags():
-        if flag.field in excluded:
-            continue
+    flags = [f for f in engine_flags() if f.field not in excluded]
+    parser.set_defaults(**{_GIVEN_FIELDS: tuple(f.field for f in flags)})
+    for flag in flags:
         if flag.type is bool:
             group.add_argument(*flag.option_strings, dest=flag.field, default=None,
                                action=_SwitchPair, help=_help(flag))
@@ -83,14 +84,24 @@ def add_engine_args(parser: argparse.ArgumentParser, *, exclude: Iterable[str] =
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig fields given on the command line (flags left out are not in the dict)."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-            if getattr(args, f.name, None) is not None}
+    """The EngineConfig fields given on the command line (flags left out are not in the dict;
+    nor are a command's own flags of an excluded field's name)."""
+    fields = vars(args).get(_GIVEN_FIELDS, ())
+    return {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
 
 
 def field_comments(cls: type) -> dict[str, str]:
-    """Field name -> its comment in `cls`'s source: the one on the field's line, else the comment
-    lines just above it (no blank line between), joined with spaces."""
+    """Field name -> its comment in the source of `cls` (and of the dataclasses it extends): the
+    comment on the field's line, else the comment lines just above it (no blank line between),
+    joined with spaces."""
+    comments: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            comments.update(_own_field_comments(klass))
+    return comments
+
+
+def _own_field_comments(cls: type) -> dict[str, str]:
     source = textwrap.dedent(inspect.getsource(cls))
     comment_at: dict[int, str] = {}  # line (1-based) -> comment text
     code_lines: set[int] = set()  # lines holding anything but a comment
@@ -133,14 +144,14 @@ class _SwitchPair(argparse.Action):
         return " | ".join(self.option_strings)
 
 
-def _scalar_type(name: str, annotation) -> tuple[type, tuple | None]:
+def _scalar_type(config: type, name: str, annotation) -> tuple[type, tuple | None]:
     """(int | float | str | bool, Literal choices or None) of a field's annotation."""
     choices = literal_choices(annotation)
     if choices is not None:
         values = tuple(c for c in choices if c is not None)
         kinds = {type(c) for c in values}
         if len(kinds) != 1 or not kinds <= set(_SCALARS):
-            raise TypeError(f"EngineConfig.{name}: {annotation} mixes choice types {kinds}")
+            raise TypeError(f"{config.__name__}.{name}: {annotation} mixes choice types {kinds}")
         return kinds.pop(), values
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -148,8 +159,8 @@ def _scalar_type(name: str, annotation) -> tuple[type, tuple | None]:
             return args[0], None
     elif annotation is bool or annotation in _SCALARS:
         return annotation, None
-    raise TypeError(f"EngineConfig.{name}: {annotation} has no command-line form; give it one "
-                    "in jaxinfer/config_args.py")
+    raise TypeError(f"{config.__name__}.{name}: {annotation} has no command-line form; give it "
+                    "one in jaxinfer/config_args.py")
 
 
 def _help(flag: EngineFlag) -> str:

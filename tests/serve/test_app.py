@@ -418,6 +418,9 @@ async def test_full_waiting_queue_is_503():
         r = await c.post("/v1/completions", json=body)
         assert_error(r, 503, code="server_overloaded", type_="service_unavailable_error")
         assert r.headers["retry-after"] == "1"
+        # a stream starts only with its first output: a refusal is still an HTTP status
+        r = await c.post("/v1/completions", json={**body, "stream": True})
+        assert_error(r, 503, code="server_overloaded")
         engine.gate.set()
         for t in first:
             assert (await asyncio.wait_for(t, TIMEOUT)).status_code == 200

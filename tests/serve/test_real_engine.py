@@ -7,6 +7,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from jaxinfer import SamplingParams
+from jaxinfer.engine import EngineClient
 from jaxinfer.engine.async_engine import AsyncEngine
 from serve.app import create_app
 from tests.serve.conftest import sse_events, wait_healthy
@@ -48,6 +49,10 @@ def client(tiny_llm, refs):
         wait_healthy(c)
         yield c
     assert not engine.has_unfinished_requests()
+
+
+def test_llm_engine_is_an_engine_client(tiny_llm):
+    assert isinstance(tiny_llm.engine, EngineClient)
 
 
 def test_completion_equals_python_api(client, refs):
