@@ -103,7 +103,7 @@ def load_preset(path: str) -> dict:
 def engine_settings(args: argparse.Namespace) -> dict:
     """Preset (if any) overridden by the engine flags given (every engine flag defaults to None,
     so only flags on the command line appear in `engine_kwargs`)."""
-    settings = load_preset(args.config) if getattr(args, "config", None) else {}
+    settings = load_preset(args.config) if args.config else {}
     settings.update(engine_kwargs(args))
     return settings
 

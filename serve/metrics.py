@@ -3,79 +3,59 @@ counters, and gauges/counters read from the engine's last metrics snapshot at sc
 
 from __future__ import annotations
 
-from typing import Any, Iterable
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from jaxinfer.engine import EngineMetrics
+from jaxinfer.engine.async_engine import AsyncEngine
 
 PREFIX = "jaxinfer"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
                     5.0, 10.0, 20.0, 40.0, 80.0)
 
-# (metric, help, kind, attribute names of the engine's metrics to try, in order)
-_ENGINE_FIELDS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
-    ("num_requests_running", "Requests in the running batch", "gauge",
-     ("num_running", "num_running_requests", "num_running_reqs")),
-    ("num_requests_waiting", "Requests queued in the scheduler", "gauge",
-     ("num_waiting", "num_waiting_requests", "num_waiting_reqs")),
-    ("kv_pages_used", "KV cache pages in use by requests", "gauge",
-     ("num_used_pages", "num_pages_used", "kv_pages_used")),
-    ("kv_pages_total", "KV cache pages that can be handed out", "gauge",
-     ("num_usable_pages", "num_total_pages", "num_pages")),
-    ("kv_pages_cached", "KV pages kept only for prefix-cache hits", "gauge",
-     ("num_cached_pages",)),
+# (metric, help, kind, the EngineMetrics attribute it reads)
+_ENGINE_FIELDS: tuple[tuple[str, str, str, str], ...] = (
+    ("num_requests_running", "Requests in the running batch", "gauge", "num_running"),
+    ("num_requests_waiting", "Requests queued in the scheduler", "gauge", "num_waiting"),
+    ("kv_pages_used", "KV cache pages in use by requests", "gauge", "num_used_pages"),
+    ("kv_pages_total", "KV cache pages that can be handed out", "gauge", "num_usable_pages"),
+    ("kv_pages_cached", "KV pages kept only for prefix-cache hits", "gauge", "num_cached_pages"),
     ("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / looked up", "gauge",
-     ("prefix_cache_hit_rate", "prefix_hit_rate")),
+     "prefix_cache_hit_rate"),
     ("preemptions", "Requests preempted (pages taken back, recomputed later)", "counter",
-     ("num_preemptions_total", "num_preemptions", "preemptions")),
+     "num_preemptions_total"),
     ("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache", "counter",
-     ("prefix_cache_query_tokens",)),
+     "prefix_cache_query_tokens"),
     ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", "counter",
-     ("prefix_cache_hit_tokens",)),
-    ("kv_page_evictions", "Cached KV pages evicted", "counter", ("num_evictions_total",)),
-    ("spec_draft_tokens", "Speculative draft tokens proposed", "counter",
-     ("num_draft_tokens_total", "num_draft_tokens", "spec_num_draft_tokens")),
+     "prefix_cache_hit_tokens"),
+    ("kv_page_evictions", "Cached KV pages evicted", "counter", "num_evictions_total"),
+    ("spec_draft_tokens", "Speculative draft tokens proposed", "counter", "num_draft_tokens_total"),
     ("spec_accepted_tokens", "Speculative draft tokens accepted", "counter",
-     ("num_accepted_tokens_total", "num_accepted_tokens", "spec_num_accepted_tokens")),
+     "num_accepted_tokens_total"),
     ("spec_acceptance_rate", "Accepted / proposed speculative draft tokens", "gauge",
-     ("spec_acceptance_rate", "acceptance_rate")),
-    ("compilations", "XLA executables compiled by the engine", "counter",
-     ("num_compilations", "compilations")),
-    ("compile_seconds", "Seconds the engine spent compiling", "counter", ("compile_seconds",)),
-    ("engine_steps", "Engine steps run", "counter", ("num_steps",)),
-    ("requests_finished", "Requests the engine finished", "counter", ("num_finished_total",)),
+     "spec_acceptance_rate"),
+    ("compilations", "XLA executables compiled by the engine", "counter", "num_compilations"),
+    ("compile_seconds", "Seconds the engine spent compiling", "counter", "compile_seconds"),
+    ("engine_steps", "Engine steps run", "counter", "num_steps"),
+    ("requests_finished", "Requests the engine finished", "counter", "num_finished_total"),
     ("kv_utilization", "Live tokens / page slots held by running requests", "gauge",
-     ("kv_utilization",)),
+     "kv_utilization"),
 )
 
 
-def engine_metric(snapshot: Any, names: Iterable[str]) -> float | None:
-    if snapshot is None:
-        return None
-    for name in names:
-        v = snapshot.get(name) if isinstance(snapshot, dict) else getattr(snapshot, name, None)
-        if callable(v):
-            v = v()
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-    return None
-
-
 class _EngineCollector(Collector):
-    def __init__(self, async_engine):
+    def __init__(self, async_engine: AsyncEngine):
         self._async_engine = async_engine
 
     def collect(self):
         ae = self._async_engine
-        snap = ae.metrics_snapshot
-        for name, help_, kind, attrs in _ENGINE_FIELDS:
-            v = engine_metric(snap, attrs)
-            if v is None:
-                continue
-            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-            yield family(f"{PREFIX}_{name}", help_, value=v)
+        snapshot: EngineMetrics | None = ae.metrics_snapshot
+        if snapshot is not None:  # None until the engine thread took the first one
+            for name, help_, kind, attribute in _ENGINE_FIELDS:
+                family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+                yield family(f"{PREFIX}_{name}", help_, value=float(getattr(snapshot, attribute)))
         yield GaugeMetricFamily(f"{PREFIX}_server_requests_in_flight",
                                 "Engine requests the server is streaming", value=ae.num_in_flight)
         yield GaugeMetricFamily(f"{PREFIX}_server_requests_waiting_first_token",
@@ -91,7 +71,7 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """The server's metrics. One per app; `render()` gives the Prometheus text format."""
 
-    def __init__(self, async_engine):
+    def __init__(self, async_engine: AsyncEngine):
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.time_to_first_token = Histogram(

@@ -30,9 +30,10 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator, Sequence
+from typing import AsyncIterator, Sequence
 
 from jaxinfer.engine.client import EngineClient
+from jaxinfer.engine.llm_engine import EngineMetrics
 from jaxinfer.engine.outputs import TextTracker
 from jaxinfer.request import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -85,7 +86,7 @@ class AsyncEngine:
         # Written by the engine thread, read anywhere (whole-object swaps only):
         self.warmup_error: BaseException | None = None
         self.warmup_seconds: float | None = None
-        self.metrics_snapshot: Any = None
+        self.metrics_snapshot: EngineMetrics | None = None
         self.num_step_errors = 0
 
     # -- lifecycle ------------------------------------------------------------------------------

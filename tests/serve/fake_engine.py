@@ -17,6 +17,7 @@ import random
 import threading
 import time
 
+from jaxinfer.engine import EngineMetrics
 from jaxinfer.engine.outputs import TextTracker
 from jaxinfer.request import CompletionOutput, RequestMetrics, RequestOutput, SampledLogprobs
 from jaxinfer.sampling_params import SamplingParams
@@ -54,18 +55,6 @@ class FakeTokenizer:
         return self.encode_chat_prompt(self.render_chat_template(messages, add_generation_prompt))
 
 
-@dataclasses.dataclass(frozen=True)
-class FakeMetrics:
-    num_running: int
-    num_waiting: int
-    num_usable_pages: int
-    num_used_pages: int
-    num_preemptions_total: int
-    prefix_cache_hit_rate: float
-    num_compilations: int
-    num_steps: int
-
-
 @dataclasses.dataclass
 class _Req:
     request_id: str
@@ -93,6 +82,7 @@ class FakeEngine:
         self.warmup_delay_s = warmup_delay_s
         self.warmed_up = False
         self.num_steps = 0
+        self.num_finished = 0
         self.fail_steps = 0  # the next `fail_steps` steps raise
         self.aborted_ids: list[str] = []
         self.max_batch_seen = 0
@@ -166,15 +156,21 @@ class FakeEngine:
             if r.finish_reason is not None:
                 self._running.remove(r)
                 self._free(r)
+                self.num_finished += 1
         return outputs
 
     @property
-    def metrics(self) -> FakeMetrics:
+    def metrics(self) -> EngineMetrics:
         self._check_thread()
-        return FakeMetrics(num_running=len(self._running), num_waiting=len(self._waiting),
-                           num_usable_pages=self.num_pages - 1, num_used_pages=self._used_pages,
-                           num_preemptions_total=0, prefix_cache_hit_rate=0.25,
-                           num_compilations=3, num_steps=self.num_steps)
+        num_running = len(self._running)
+        return EngineMetrics(
+            num_steps=self.num_steps, num_running=num_running, num_waiting=len(self._waiting),
+            num_scheduled_seqs=num_running, num_batched_tokens=num_running,
+            num_preemptions_total=0, num_finished_total=self.num_finished,
+            num_usable_pages=self.num_pages - 1, num_used_pages=self._used_pages,
+            num_cached_pages=0, num_evictions_total=0,
+            prefix_cache_query_tokens=4, prefix_cache_hit_tokens=1,  # a hit rate of 0.25
+            num_live_tokens=0, num_allocated_slots=0, num_compilations=3)
 
     # -- the fake model -------------------------------------------------------------------------
     def next_token(self, r: _Req) -> int:
