@@ -106,9 +106,9 @@ def warm(llm: LLM, prompts, sps) -> None:
 
 
 def set_policy(llm: LLM, **changes) -> None:
-    """Swap the engine's speculation policy (the same object the scheduler consults)."""
+    """Swap the engine's speculation policy (the scheduler's; the engine reads it from there)."""
     policy = dataclasses.replace(llm.engine.spec_policy, **changes)
-    llm.engine.spec_policy = llm.engine.scheduler.spec_policy = policy
+    llm.engine.scheduler.spec_policy = policy
 
 
 def best_of(reps: int, runs: dict) -> dict:

@@ -1,5 +1,6 @@
 """runtime/sampler.py against numpy references: exact greedy, batch independence, distributions
-(chi-square), penalties, logit bias, allowed-token mask, logprobs, rejection sampling."""
+(chi-square), penalties, logit bias, allowed-token mask, logprobs; and runtime/spec_verify.py's
+rejection sampler."""
 
 import functools
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxinfer.runtime import sampler
+from jaxinfer.runtime import sampler, spec_verify
 from jaxinfer.runtime.sampler import default_sampling_metadata
 
 NUM_DRAWS = 20_000
@@ -22,7 +23,7 @@ def _sample(logits, md, num_top_logprobs=0, needs_sort=True, all_greedy=False):
                           all_greedy=all_greedy)
 
 
-_rejection_sample = jax.jit(sampler.rejection_sample)
+_rejection_sample = jax.jit(spec_verify.rejection_sample)
 _adjust_logits = jax.jit(sampler.adjust_logits)
 
 
@@ -148,10 +149,12 @@ def test_static_flags_do_not_change_unaffected_rows():
     history = jnp.asarray(rng.integers(-1, 64, size=(16, 5)).astype(np.int32))
     with_history = _sample(logits, md._replace(output_token_ids=history, prompt_token_ids=history))
     np.testing.assert_array_equal(np.asarray(with_history.token_ids), np.asarray(with_sort))
-    assert sampler.sampler_flags(np.zeros(3), np.array([5, 0, 0]), np.ones(3)) == {
-        "needs_sort": False, "all_greedy": True}
-    assert sampler.sampler_flags(np.array([0, 1.0]), np.zeros(2), np.array([1.0, 0.9])) == {
-        "needs_sort": True, "all_greedy": False}
+    # the step's choice of fast path (sample_any): 0 all greedy, 1 no cut-off search, 2 full
+    greedy_top_k = _md(3, temperature=np.zeros(3), top_k=np.array([5, 0, 0]), top_p=np.ones(3))
+    assert not bool(sampler.uses_cutoff(greedy_top_k)) and int(sampler.sample_path(greedy_top_k)) == 0
+    top_p_row = _md(2, temperature=np.array([0, 1.0]), top_k=np.zeros(2), top_p=np.array([1.0, 0.9]))
+    assert bool(sampler.uses_cutoff(top_p_row)) and int(sampler.sample_path(top_p_row)) == 2
+    assert int(sampler.sample_path(_md(2, temperature=np.array([0, 1.0])))) == 1
 
 
 def test_seed_and_position_drive_the_draw():

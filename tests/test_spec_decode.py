@@ -14,6 +14,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.request import Request
+from jaxinfer.sched.output import RunnerOutput
 from jaxinfer.sched.spec_policy import PROBE_INTERVAL, SpecPolicy
 from jaxinfer.sched.step_input import make_step_input
 from tests.sched.fake_runner import Harness, fake_next_token, make_request, solo_outputs
@@ -90,7 +91,7 @@ def test_spec_policy_adapts_k_to_acceptance_and_batch():
 
 def test_check_draft_compatible():
     from jaxinfer.config import ModelConfig
-    from jaxinfer.runtime.spec_decode import check_draft_compatible
+    from jaxinfer.runtime.draft_model import check_draft_compatible
 
     cfg = ModelConfig("llama", 100, 8, 16, 1, 2, 1, 4)
     check_draft_compatible(cfg, cfg, {"a": 0, "b": 1}, {"a": 0, "b": 1})
@@ -117,7 +118,7 @@ def test_step_input_rows_see_the_drafts_before_them():
     for r in (a, b):
         r.spec_enabled = True
         sched.add_request(r)
-    sched.update(sched.schedule(), np.asarray([30, 40], np.int32))
+    sched.update(sched.schedule(), RunnerOutput(np.asarray([30, 40], np.int32)))
     a.spec_token_ids = [31, 32, 33]
     out = sched.schedule()
     assert [it.num_new_tokens for it in out.scheduled] == [4, 1] and a.num_computed_tokens == 9
@@ -134,7 +135,7 @@ def test_step_input_rows_see_the_drafts_before_them():
     assert si.spec_row_ids[0].tolist() == [0, 1, 2, 3] and si.spec_draft_ids[0].tolist() == [31, 32, 33]
     assert si.spec_num_draft.tolist()[:2] == [3, 0] and si.spec_seq_ids[0] == 0
     # verification: 31 and 32 accepted, 50 instead of 33; b decodes 41
-    sched.update(out, np.asarray([31, 32, 50, -1, 41], np.int32))
+    sched.update(out, RunnerOutput(np.asarray([31, 32, 50, -1, 41], np.int32)))
     assert a.output_token_ids == [30, 31, 32, 50] and b.output_token_ids == [40, 41]
     assert a.num_computed_tokens == a.num_tokens - 1 == 8 and len(a.page_ids) == 2
     assert (a.num_draft_tokens, a.num_accepted_tokens, a.num_spec_steps) == (3, 2, 1)
@@ -151,7 +152,7 @@ class FakeVerifier:
         self.ps, self.vocab_size = page_size, vocab_size
         self.kv = np.full(num_pages * page_size, -1, np.int64)
 
-    def execute(self, si, sched_out) -> np.ndarray:
+    def execute(self, si, sched_out) -> RunnerOutput:
         ps = self.ps
         assert np.all(si.slot_mapping[si.num_real_tokens:] < ps), "padding writes a real page"
         assert np.all(si.slot_mapping[:si.num_real_tokens] >= ps), "a real token writes page 0"
@@ -173,7 +174,7 @@ class FakeVerifier:
                 num_accepted += 1
             out[row:row + k + 1] = want[:num_accepted + 1] + [-1] * (k - num_accepted)
             row += item.num_rows
-        return out
+        return RunnerOutput(out)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -376,7 +377,8 @@ def _spec_round_fn():
     import jax.numpy as jnp
 
     from jaxinfer.runtime.sampler import default_sampling_metadata, sample
-    from jaxinfer.runtime.spec_decode import SpecInputs, draft_sample, verify_drafts
+    from jaxinfer.runtime.draft_model import draft_sample
+    from jaxinfer.runtime.spec_verify import SpecInputs, verify_drafts
 
     @jax.jit
     def fn(first_logits, draft_logits, next_table, seeds, position):
@@ -524,7 +526,8 @@ def test_warmup_covers_the_verifying_layouts(k):
     """Warm-up inputs include every layout a speculating engine's steps take (host only); with
     k = 4 the verification size 1 + k = 5 is a token bucket of its own."""
     from jaxinfer.config import EngineConfig
-    from jaxinfer.sched.step_input import StepBuckets, warmup_step_inputs
+    from jaxinfer.sched.buckets import StepBuckets
+    from jaxinfer.sched.step_input import warmup_step_inputs
 
     ec = EngineConfig(page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                       speculative_method="ngram", num_speculative_tokens=k)

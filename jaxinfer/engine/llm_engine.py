@@ -13,15 +13,17 @@ import jax
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.outputs import OutputProcessor
 from jaxinfer.models.loader import load_model, model_source
-from jaxinfer.request import Request, RequestOutput
 from jaxinfer.ops.kv_cache import kv_cache_bytes_per_page
+from jaxinfer.request import Request, RequestOutput
+from jaxinfer.runtime.draft_model import DraftModel, load_draft_model
 from jaxinfer.runtime.runner import ModelRunner, device_memory_bytes_free, kv_dtype_of, param_bytes
+from jaxinfer.runtime.spec_decode import DraftProposer
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.runtime.spec_decode import DraftModel, NgramProposer, load_draft_model
+from jaxinfer.sched.buckets import StepBuckets
 from jaxinfer.sched.scheduler import Scheduler
 from jaxinfer.sched.spec_policy import SpecPolicy
 from jaxinfer.sched.stats import SchedulerStats
-from jaxinfer.sched.step_input import StepBuckets, make_step_input, warmup_step_inputs
+from jaxinfer.sched.step_input import make_step_input, warmup_step_inputs
 from jaxinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -69,12 +71,10 @@ class LLMEngine:
                                   draft=draft)
         del model_module, draft_module
         eos_ids = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
-        self.spec_policy = SpecPolicy.from_config(self.engine_config)
-        self.ngram = (NgramProposer(self.engine_config.ngram_min, self.engine_config.ngram_max)
-                      if self.engine_config.speculative_method == "ngram" else None)
+        self.proposer = DraftProposer.from_config(self.engine_config)
         self.scheduler = Scheduler(self.engine_config, self.num_pages, self.max_model_len, eos_ids,
                                    policy=self.engine_config.scheduling_policy,
-                                   spec_policy=self.spec_policy)
+                                   spec_policy=SpecPolicy.from_config(self.engine_config))
         self.outputs = OutputProcessor(self.tokenizer)
         self.buckets = StepBuckets.coarse(self.engine_config, self.max_model_len,
                                           exact_verify=self.runner.attention_backend == "xla")
@@ -206,40 +206,30 @@ class LLMEngine:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
+    @property
+    def spec_policy(self) -> SpecPolicy | None:
+        """How many drafts each request gets (the scheduler's; None without speculation)."""
+        return self.scheduler.spec_policy
+
     # -- the step ---------------------------------------------------------------------------
     def step(self, detokenize: bool = True) -> list[RequestOutput]:
         """One scheduling step: runs the batch, returns the updated requests' outputs. With
         `detokenize=False` the outputs carry token ids only (empty text) and stop strings are
-        the caller's to check (engine_outputs.TextTracker; `finish_request` ends a request)."""
+        the caller's to check (engine/outputs.py's TextTracker; `finish_request` ends a request)."""
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
-            return self.outputs.drain_aborted()
+            return []
         step_input = make_step_input(sched_out, self.engine_config, self.max_model_len,
                                      buckets=self.buckets)
         runner_out = self.runner.execute(step_input)
         updated = self.scheduler.update(sched_out, runner_out)
-        if self.spec_policy is not None:
-            self._propose(sched_out, runner_out, updated)
+        if self.proposer is not None:
+            self.proposer.propose(sched_out, runner_out, updated, self.scheduler)
         self.num_steps += 1
-        return self.outputs.process(updated, self.scheduler, detokenize=detokenize)
-
-    def _propose(self, sched_out, runner_out, updated: list[Request]) -> None:
-        """Drafts for the next step: n-gram lookup here, or the draft model's from this step."""
-        if self.ngram is not None:
-            num_requests = len(self.scheduler.running) + len(self.scheduler.waiting)
-            for req in updated:
-                if req.is_finished() or req.num_tokens - req.num_computed_tokens != 1:
-                    continue
-                k = self.spec_policy.num_drafts(req, num_requests)
-                req.spec_token_ids = self.ngram.propose(req.all_token_ids, k) if k else []
-            return
-        draft_ids = runner_out.draft_token_ids  # i32[S, K]
-        for s, item in enumerate(sched_out.scheduled):
-            req = item.request
-            if item.num_lookahead and not req.is_finished() and \
-                    req.num_tokens - req.num_computed_tokens == 1:
-                drafts = draft_ids[s, :item.num_lookahead].tolist()
-                req.spec_token_ids = drafts[:drafts.index(-1)] if -1 in drafts else drafts
+        if detokenize:  # a stop string ends its request now, before the outputs are made
+            for request_id, stop in self.outputs.update_text(updated):
+                self.scheduler.finish_request(request_id, "stop", stop_reason=stop)
+        return self.outputs.process(updated, detokenize=detokenize)
 
     def warmup(self) -> None:
         """Compiles (or loads from the executable cache) every shape bucket now, so no request
@@ -267,8 +257,7 @@ class LLMEngine:
             num_tokens = si.shape[0]
             seconds[num_tokens] = max(seconds.get(num_tokens, 0.0), time.perf_counter() - t0)
         budget = SpecPolicy.calibrated_max_batched_tokens(seconds)
-        self.spec_policy = dataclasses.replace(self.spec_policy, max_batched_tokens=budget)
-        self.scheduler.spec_policy = self.spec_policy
+        self.scheduler.spec_policy = dataclasses.replace(self.spec_policy, max_batched_tokens=budget)
         logger.info("speculation: up to %d decode + draft tokens per step (step seconds %s)",
                     budget, {t: round(s, 4) for t, s in sorted(seconds.items())})
         return budget

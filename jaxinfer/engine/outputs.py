@@ -121,6 +121,11 @@ class _Track:
 
 
 class OutputProcessor:
+    """The outputs of the requests a step updated, and their text when the engine detokenizes.
+
+    It never changes a request: a stop string found in the text is reported by `update_text`,
+    and the engine finishes that request before `process` builds the outputs."""
+
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self._tracks: dict[str, _Track] = {}
@@ -131,23 +136,30 @@ class OutputProcessor:
     def abort(self, request_id: str) -> None:
         self._tracks.pop(request_id, None)
 
-    def drain_aborted(self) -> list[RequestOutput]:
-        return []
+    def update_text(self, updated: list[Request]) -> list[tuple[str, str]]:
+        """Detokenizes the new tokens of the `updated` requests; returns (request_id, stop string)
+        for each one still running whose text reached a stop string (the caller finishes it)."""
+        stopped = []
+        for req in updated:
+            track = self._tracks.get(req.request_id)
+            if track is None:
+                continue
+            if track.text is None:
+                track.text = TextTracker(self.tokenizer, req.prompt_token_ids, req.sampling_params)
+            if track.text.update(req.output_token_ids, req.is_finished()) and not req.is_finished():
+                stopped.append((req.request_id, track.text.stop_reason))
+        return stopped
 
-    def process(self, updated: list[Request], scheduler, detokenize: bool = True) -> list[RequestOutput]:
-        """Outputs of the requests a step updated. With `detokenize`, their text, and a request
-        whose text reached a stop string is finished in `scheduler`; else token-only outputs
-        (the consumer runs a TextTracker and ends stopped requests itself)."""
+    def process(self, updated: list[Request], detokenize: bool = True) -> list[RequestOutput]:
+        """Outputs of the requests a step updated: with `detokenize`, their text as `update_text`
+        left it (cut at a matched stop string); else token-only outputs (the consumer runs a
+        TextTracker and ends stopped requests itself)."""
         outputs = []
         for req in updated:
             track = self._tracks.get(req.request_id)
             if track is None:
                 continue
             if detokenize:
-                if track.text is None:
-                    track.text = TextTracker(self.tokenizer, req.prompt_token_ids, req.sampling_params)
-                if track.text.update(req.output_token_ids, req.is_finished()) and not req.is_finished():
-                    scheduler.finish_request(req.request_id, "stop", stop_reason=track.text.stop_reason)
                 outputs.append(track.text.apply(token_output(req, track.prompt)))
             else:
                 outputs.append(token_output(req, track.prompt))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import time
+from typing import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -14,23 +14,14 @@ from flax import nnx
 
 from jaxinfer import ops
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.runtime.executable_cache import ExecutableCache
 from jaxinfer.ops.kv_cache import allocate_kv_cache
+from jaxinfer.runtime.draft_model import DraftModel
+from jaxinfer.runtime.executable_cache import ExecutableCache
 from jaxinfer.runtime.step import StepFlags, make_jitted_draft_step, make_jitted_step
+from jaxinfer.sched.output import RunnerOutput
+from jaxinfer.sched.step_input import StepInput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class RunnerOutput:
-    """Host copies of what the step sampled, one entry per real sampled row."""
-
-    token_ids: np.ndarray  # i32[R]
-    logprobs: np.ndarray  # f32[R]
-    top_token_ids: np.ndarray | None = None  # i32[R, K]
-    top_logprobs: np.ndarray | None = None  # f32[R, K]
-    draft_token_ids: np.ndarray | None = None  # i32[S, num_speculative_tokens] a draft model's
-    #   proposals for the next step, -1 padded (None without a draft model)
 
 
 class ModelRunner:
@@ -40,12 +31,13 @@ class ModelRunner:
         engine_config: EngineConfig,
         model: nnx.Module,
         num_pages: int,
-        draft=None,  # spec_decode.DraftModel: run with the target in every step
+        draft: DraftModel | None = None,  # run with the target in every step
     ):
         self.model_config = model_config
         self.engine_config = engine_config
         self.num_pages = num_pages
         self.attention_backend = ops.resolve_backend(engine_config.attention_backend)
+        self.flags = StepFlags(attention_backend=self.attention_backend)
         graphdef, self.state = nnx.split(model)
         self.draft = draft
         self._step = (make_jitted_step(graphdef) if draft is None
@@ -61,9 +53,9 @@ class ModelRunner:
         self.compile_seconds = 0.0
 
     # -- one step ---------------------------------------------------------------------------
-    def execute(self, step_input) -> RunnerOutput:
+    def execute(self, step_input: StepInput) -> RunnerOutput:
         """Runs one step on a host StepInput (numpy, padded); returns the sampled rows."""
-        flags = self._flags(step_input)
+        flags = self.flags
         buf, layout = step_input.pack()
         signature = (layout, flags)
         is_new = signature not in self._seen_signatures
@@ -106,7 +98,7 @@ class ModelRunner:
         return out, draft_ids
 
     # -- ahead of time ----------------------------------------------------------------------
-    def compile(self, step_inputs, num_threads: int = 1) -> int:
+    def compile(self, step_inputs: Iterable[StepInput], num_threads: int = 1) -> int:
         """Prepares the executables of these inputs' shape buckets without running them: each is
         loaded from the executable cache (runtime/executable_cache.py) when it has it, else traced
         and compiled (XLA's compile itself may hit JAX's persistent cache) and saved there.
@@ -114,7 +106,7 @@ class ModelRunner:
         `execute` then runs them with no trace or compile. Returns how many were new."""
         pending = {}
         for si in step_inputs:
-            signature = (si.pack()[1], self._flags(si))
+            signature = (si.pack()[1], self.flags)
             if signature not in self._seen_signatures and signature not in pending:
                 pending[signature] = si
         if num_threads > 1 and len(pending) > 1:
@@ -129,10 +121,10 @@ class ModelRunner:
             self.compile_seconds += dt
         return len(pending)
 
-    def _prepare(self, step_input) -> tuple[jax.stages.Compiled, float]:
+    def _prepare(self, step_input: StepInput) -> tuple[jax.stages.Compiled, float]:
         """(the Compiled step of this input's bucket, seconds); changes no state."""
         t0 = time.perf_counter()
-        flags = self._flags(step_input)
+        flags = self.flags
         buf, layout = step_input.pack()
         args = self._step_args(jax.device_put(buf), np.bool_(False))
         cache, key, compiled, how = self._executable_cache, None, None, "loaded"
@@ -146,9 +138,6 @@ class ModelRunner:
         dt = time.perf_counter() - t0
         logger.info("%s a step for (T, S, P)=%s %s in %.2f s", how, step_input.shape, flags, dt)
         return compiled, dt
-
-    def _flags(self, si) -> StepFlags:
-        return StepFlags(attention_backend=self.attention_backend)
 
 
 def device_memory_bytes_free() -> int | None:

@@ -1,6 +1,6 @@
-"""On-device sampling, run inside the jitted step, and the speculative-decoding rejection sampler.
+"""On-device sampling, run inside the jitted step: one token per row from its logits.
 
-Pure `jnp`: every function here is jit-able and has no state. One row per sampled sequence (`R`).
+Pure `jnp`: every function here is jit-able and has no state. One row per sampled row (`R`).
 
 Order of the logit transforms (the same as vLLM v1):
 
@@ -13,9 +13,13 @@ Order of the logit transforms (the same as vLLM v1):
 4. `warp_logits`: divide by the temperature, then min-p, then top-k, then top-p (truncated tokens get
    -inf). Ties at a top-k/top-p cut-off are all kept. The cut-offs come from an exact bisection,
    not a sort (see `_top_k_top_p`).
-5. One draw from softmax(warped) by a two-level inverse CDF (`_categorical`) with two uniforms from
+5. One draw from softmax(warped) by a two-level inverse CDF (`categorical`) with two uniforms from
    the row's own key `fold_in(key(seed), position)`: a request's token depends only on its seed,
    its position and its own logits, never on the other rows, the batch size or the static flags.
+
+`sample_any` is what the step calls: it picks `sample`'s fast path on the device, so one
+executable serves every mix of requests. The speculative-decoding verification built on these
+transforms is runtime/spec_verify.py.
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MAX_TOP_LOGPROBS = 20  # OpenAI's maximum: `sample_any` computes this many when a row asks
 
 
 class SamplingMetadata(NamedTuple):
@@ -72,21 +76,6 @@ def default_sampling_metadata(num_rows: int, **overrides) -> SamplingMetadata:
     )
     fields.update(overrides)
     return SamplingMetadata(**fields)
-
-
-def sampler_flags(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> dict[str, bool]:
-    """Host side (numpy): the static flags for `sample`, from the batch's real rows.
-
-    `needs_sort`: some sampled row uses top-k or top-p (the only transforms that search the
-    vocabulary for a cut-off; the name is historical: the search is a bisection, not a sort).
-    `all_greedy`: every row is greedy (no random numbers drawn at all).
-    Splat the result into `sample(..., **flags)`; each combination is one more executable.
-    """
-    temperature = np.asarray(temperature)
-    greedy = temperature < GREEDY_EPS
-    sampled = ~greedy
-    needs_sort = bool(np.any(sampled & ((np.asarray(top_k) > 0) | (np.asarray(top_p) < 1.0))))
-    return {"needs_sort": needs_sort, "all_greedy": bool(np.all(greedy))}
 
 
 def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
@@ -171,9 +160,8 @@ def _top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """-inf outside the top-k, then outside the smallest top-p nucleus of what is left.
 
     No sort: each cut-off is found by an exact bisection over the float bit patterns, 32 (top-k)
-    plus 30 (top-p) masked reductions over the row. XLA's CPU sort of [32, 49152] takes over a
-    second; this takes tens of milliseconds there, and is on par with a sort on a GPU.
-    Ties at a cut-off are all kept.
+    plus 30 (top-p) masked reductions over the row, far cheaper than XLA's CPU sort of the
+    vocabulary and on par with a sort on a GPU. Ties at a cut-off are all kept.
     """
     num_rows, vocab_size = x.shape
     keys = _ordered_u32(x)  # u32[R, V]
@@ -193,7 +181,7 @@ def _top_k_top_p(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(p_off | (prob_bits >= p_cut[:, None]), x, -jnp.inf)
 
 
-def _categorical(weights: jax.Array, keys: jax.Array, page: int = 256) -> jax.Array:
+def categorical(weights: jax.Array, keys: jax.Array, page: int = 256) -> jax.Array:
     """One draw per row from unnormalised weights f32[R, V] (>= 0), by inverse CDF in two levels:
     a group of `page` tokens with probability (its mass / total), then a token within it.
 
@@ -224,7 +212,7 @@ def _categorical_from_logits(x: jax.Array, keys: jax.Array) -> jax.Array:
     """Draw from softmax(x) per row; -inf entries are never drawn."""
     x_max = jnp.max(x, axis=-1, keepdims=True)
     x_max = jnp.where(jnp.isfinite(x_max), x_max, 0.0)  # a row with nothing allowed
-    return _categorical(jnp.exp(x - x_max), keys)
+    return categorical(jnp.exp(x - x_max), keys)
 
 
 def warp_logits(logits: jax.Array, md: SamplingMetadata, *, needs_sort: bool = True) -> jax.Array:
@@ -266,7 +254,7 @@ def sample(
     """Sample one token per row. All keyword arguments are static (part of the executable).
 
     `needs_sort=False` skips the top-k / top-p cut-off search (both ignored): set it when no row
-    uses them (`sampler_flags`). `all_greedy=True` skips the random draw: every row takes the argmax.
+    uses them (`uses_cutoff`). `all_greedy=True` skips the random draw: every row takes the argmax.
     Neither flag changes the token of a row that does not use the skipped feature.
     """
     _check_shapes(logits, md)
@@ -291,78 +279,45 @@ def sample(
     return SamplerOutput(token_ids, token_logprobs, top_token_ids, top_logprobs)
 
 
-def rejection_sample(
-    target_probs: jax.Array,  # f32[R, k+1, V]  target distribution at each draft position + bonus
-    draft_probs: jax.Array | None,  # f32[R, k, V]  None: deterministic proposals (q one-hot)
-    draft_token_ids: jax.Array,  # i32[R, k]
-    num_draft: jax.Array,  # i32[R]  real drafts per row (<= k); the rest is padding
-    keys: jax.Array,  # key[R]  one typed PRNG key per row (e.g. row_keys(seeds, positions))
-    *,
-    is_greedy: jax.Array | None = None,  # bool[R]  rows verified by exact argmax match
-    target_argmax: jax.Array | None = None,  # i32[R, k+1]  exact argmax of the target logits
-) -> tuple[jax.Array, jax.Array]:
-    """Speculative-decoding verification (Leviathan et al. 2023; Chen et al. 2023).
+def gather_rows(md: SamplingMetadata, rows: jax.Array) -> SamplingMetadata:
+    """The metadata of rows `rows` (i32[N]) -> N rows."""
+    return jax.tree.map(lambda a: a[rows], md)
 
-    Draft token j is accepted with probability min(1, p_j(x) / q_j(x)); the first rejection draws
-    its replacement from normalize(max(0, p_j - q_j)); when all `num_draft` drafts are accepted a
-    bonus token comes from p[num_draft]. The emitted tokens are then distributed exactly as the
-    target. Greedy rows accept while the draft equals the target argmax and then emit that argmax
-    (pass `target_argmax` from the logits for an exact argmax; otherwise argmax of `target_probs`).
 
-    Returns `output_token_ids` i32[R, k+1] (the accepted drafts, then the replacement or bonus
-    token, then -1) and `num_accepted` i32[R] (accepted drafts; the row emits num_accepted + 1).
-    """
-    num_rows, k_plus_1, vocab_size = target_probs.shape
-    k = k_plus_1 - 1
-    if draft_token_ids.shape != (num_rows, k):
-        raise ValueError(
-            f"{draft_token_ids.shape=} must be ({num_rows}, {k}) for {target_probs.shape=}")
-    if draft_probs is not None and draft_probs.shape != (num_rows, k, vocab_size):
-        raise ValueError(f"{draft_probs.shape=} must be ({num_rows}, {k}, {vocab_size})")
-    if num_draft.shape != (num_rows,) or keys.shape != (num_rows,):
-        raise ValueError(f"{num_draft.shape=} and {keys.shape=} must be ({num_rows},)")
-    target_probs = target_probs.astype(jnp.float32)
-    rows = jnp.arange(num_rows)
-    draft_ids = jnp.clip(draft_token_ids, 0, vocab_size - 1)  # padding may be -1
-    valid = jnp.arange(k)[None, :] < num_draft[:, None]  # bool[R, k]
+def uses_cutoff(md: SamplingMetadata) -> jax.Array:
+    """bool[]: some sampled row uses top-k or top-p (the only transforms that search the
+    vocabulary for a cut-off)."""
+    sampled = md.temperature >= GREEDY_EPS  # bool[R]
+    return jnp.any(sampled & ((md.top_k > 0) | (md.top_p < 1.0)))
 
-    p_draft = jnp.take_along_axis(target_probs[:, :k], draft_ids[..., None], axis=-1)[..., 0]
-    if draft_probs is None:
-        q_draft = jnp.ones_like(p_draft)
-    else:
-        draft_probs = draft_probs.astype(jnp.float32)
-        q_draft = jnp.take_along_axis(draft_probs, draft_ids[..., None], axis=-1)[..., 0]
-    uniform = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0), (k,)))(keys)
-    accept = uniform * q_draft < p_draft  # u < p / q without dividing by q
-    if is_greedy is not None:
-        if target_argmax is None:
-            target_argmax = jnp.argmax(target_probs, axis=-1)
-        target_argmax = target_argmax.astype(jnp.int32)  # i32[R, k+1]
-        accept = jnp.where(is_greedy[:, None], draft_token_ids == target_argmax[:, :k], accept)
-    accept = accept & valid
-    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # i32[R]
 
-    # The one extra token: replacement at the first rejection, or bonus after all drafts.
-    p_last = target_probs[rows, num_accepted]  # f32[R, V]
-    rejected = num_accepted < num_draft
-    if k > 0:
-        at = jnp.minimum(num_accepted, k - 1)
-        if draft_probs is None:
-            q_last = jax.nn.one_hot(draft_ids[rows, at], vocab_size, dtype=jnp.float32)
-        else:
-            q_last = draft_probs[rows, at]
-        residual = jnp.maximum(p_last - q_last, 0.0)
-        use_residual = rejected & (jnp.sum(residual, axis=-1) > 0)  # 0: p == q up to rounding
-        dist = jnp.where(use_residual[:, None], residual, p_last)
-    else:
-        dist = p_last
-    last = _categorical(dist, jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys))
-    if is_greedy is not None:
-        last = jnp.where(is_greedy, target_argmax[rows, num_accepted], last)
+def sample_path(md: SamplingMetadata) -> jax.Array:
+    """i32[]: the cheapest `sample` variant that gives every row its token: 0 all rows greedy
+    (argmax only), 1 no sampled row uses top-k / top-p (no cut-off search), 2 the full path."""
+    sampled = md.temperature >= GREEDY_EPS  # bool[R]
+    return jnp.where(uses_cutoff(md), 2, jnp.where(jnp.any(sampled), 1, 0))
 
-    positions = jnp.arange(k + 1)[None, :]
-    drafts = jnp.pad(draft_token_ids.astype(jnp.int32), ((0, 0), (0, 1)), constant_values=-1)
-    output_token_ids = jnp.where(
-        positions < num_accepted[:, None], drafts,
-        jnp.where(positions == num_accepted[:, None], last[:, None], -1))
-    return output_token_ids, num_accepted.astype(jnp.int32)
+
+def sample_any(logits: jax.Array, md: SamplingMetadata, want_top_logprobs: jax.Array) -> SamplerOutput:
+    """`sample` with its fast path chosen on the device (`sample_path`, `lax.switch`), not by
+    recompiling; top logprobs (MAX_TOP_LOGPROBS of them) only when `want_top_logprobs` (bool[]).
+    One executable serves every mix of requests, so warm-up covers all traffic; a row's token is
+    the same whichever branch runs (the flags only skip work no row needs)."""
+    branches = [
+        lambda l, m: sample(l, m, all_greedy=True)[:2],
+        lambda l, m: sample(l, m, needs_sort=False)[:2],
+        lambda l, m: sample(l, m, needs_sort=True)[:2],
+    ]
+    token_ids, logprobs = jax.lax.switch(sample_path(md), branches, logits, md)
+    num_rows = logits.shape[0]
+
+    def top(l):
+        vals, ids = jax.lax.top_k(jax.nn.log_softmax(l.astype(jnp.float32), axis=-1), MAX_TOP_LOGPROBS)
+        return ids.astype(jnp.int32), vals
+
+    def no_top(l):
+        return (jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.int32),
+                jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.float32))
+
+    top_ids, top_lps = jax.lax.cond(want_top_logprobs, top, no_top, logits)
+    return SamplerOutput(token_ids, logprobs, top_ids, top_lps)

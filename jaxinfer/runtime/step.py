@@ -1,8 +1,10 @@
 """The pure jitted step: model forward + KV write + on-device sampling, in one compiled call.
 
-Inputs arrive as one packed int32 buffer (one host->device copy per step, see
-`sched/step_input.py`); its layout and the sampler's flags are static, so each combination of
-shape bucket and flags is one executable.
+Inputs arrive as one packed int32 buffer (one host->device copy per step; its format is
+sched/step_buffer.py's, built by sched/step_input.py). The step unpacks it once, into `StepParts`,
+and everything after reads those. The buffer's layout and `StepFlags` are static, so each
+combination of shape bucket and flags is one executable. The KV caches are donated: updated in
+place, never copied.
 """
 
 from __future__ import annotations
@@ -14,15 +16,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache
-from jaxinfer.runtime.sampler import GREEDY_EPS, SamplerOutput, SamplingMetadata, sample
-from jaxinfer.sched.step_input import PackedLayout, unpack
-from jaxinfer.runtime.spec_decode import DraftInputs, SpecInputs, propose_drafts, verify_drafts
+from jaxinfer.runtime.draft_model import DraftInputs, propose_drafts
+from jaxinfer.runtime.sampler import SamplerOutput, SamplingMetadata, sample_any
+from jaxinfer.runtime.spec_verify import SpecInputs, verify_drafts
+from jaxinfer.sched.step_buffer import PackedLayout, unpack
 
 _OPTIONAL_SAMPLING = ("prompt_token_ids", "output_token_ids", "bias_token_ids", "bias_values",
                       "allowed_token_bitmask")
-
-
-MAX_TOP_LOGPROBS = 20  # OpenAI's maximum
 
 
 class StepFlags(NamedTuple):
@@ -31,47 +31,27 @@ class StepFlags(NamedTuple):
     attention_backend: str
 
 
-def sample_any(logits: jax.Array, md: SamplingMetadata, want_top_logprobs: jax.Array) -> SamplerOutput:
-    """`sample` with its fast paths chosen on the device (`lax.switch`), not by recompiling:
-    all greedy -> argmax only; sampled rows without top-k/top-p -> no cut-off search; else the full
-    path; top logprobs (MAX_TOP_LOGPROBS of them) only when `want_top_logprobs` (bool[]). One
-    executable serves every mix of requests, so warm-up covers all traffic; a row's token is the
-    same whichever branch runs (the flags only skip work no row needs)."""
-    sampled = md.temperature >= GREEDY_EPS  # bool[R]
-    needs_sort = jnp.any(sampled & ((md.top_k > 0) | (md.top_p < 1.0)))
-    branch = jnp.where(needs_sort, 2, jnp.where(jnp.any(sampled), 1, 0))
-    branches = [
-        lambda l, m: sample(l, m, all_greedy=True)[:2],
-        lambda l, m: sample(l, m, needs_sort=False)[:2],
-        lambda l, m: sample(l, m, needs_sort=True)[:2],
-    ]
-    token_ids, logprobs = jax.lax.switch(branch, branches, logits, md)
-    num_rows = logits.shape[0]
+class StepParts(NamedTuple):
+    """The packed step buffer, unpacked into what the step reads (slices of the buffer)."""
 
-    def top(l):
-        vals, ids = jax.lax.top_k(jax.nn.log_softmax(l.astype(jnp.float32), axis=-1), MAX_TOP_LOGPROBS)
-        return ids.astype(jnp.int32), vals
-
-    def no_top(l):
-        return (jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.int32),
-                jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.float32))
-
-    top_ids, top_lps = jax.lax.cond(want_top_logprobs, top, no_top, logits)
-    return SamplerOutput(token_ids, logprobs, top_ids, top_lps)
+    input_ids: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    attention: AttentionMetadata
+    logits_indices: jax.Array  # i32[R] the token of each sampled row
+    sampling: SamplingMetadata  # per row
+    target_token_ids: jax.Array | None  # i32[R] prompt-logprob rows' next prompt token, else -1
+    spec: SpecInputs | None  # drafts to verify (None: the layout verifies nothing)
+    draft: DraftInputs | None  # a draft model's work in this step (None: no draft model)
 
 
 def _bitcast(x: jax.Array, dtype: str) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
 
 
-def unpack_step(buf: jax.Array, layout: PackedLayout):
-    """i32[n] packed buffer -> (input_ids, positions, AttentionMetadata, logits_indices, sampling)."""
-    return _step_parts(unpack(buf, layout, _bitcast))
-
-
-def _step_parts(f: dict):
-    """The unpacked fields -> (input_ids, positions, AttentionMetadata, logits_indices, sampling)."""
-    md = AttentionMetadata(
+def unpack_step(buf: jax.Array, layout: PackedLayout) -> StepParts:
+    """i32[n] packed buffer -> its named parts (optional ones None where the layout has none)."""
+    f = unpack(buf, layout, _bitcast)
+    attention = AttentionMetadata(
         slot_mapping=f["slot_mapping"], cu_q_lens=f["cu_q_lens"], kv_lens=f["kv_lens"],
         page_indices=f["page_indices"], num_seqs=f["num_seqs"],
     )
@@ -82,39 +62,31 @@ def _step_parts(f: dict):
         repetition_penalty=f["repetition_penalty"],
         **{k: f.get(k) for k in _OPTIONAL_SAMPLING},
     )
-    return f["input_ids"], f["positions"], md, f["logits_indices"], sampling
-
-
-def unpack_spec(buf: jax.Array, layout: PackedLayout) -> tuple[SpecInputs | None, DraftInputs | None]:
-    """The speculative-decoding parts of a packed buffer (None where the layout has none)."""
-    names = {f.name for f in layout}
-    if "spec_row_ids" not in names and "draft_k" not in names:
-        return None, None
-    f = unpack(buf, layout, _bitcast)
     spec = draft = None
-    if "spec_row_ids" in names:
+    if "spec_row_ids" in f:
         spec = SpecInputs(f["spec_row_ids"], f["spec_draft_ids"], f["spec_num_draft"],
                           f["spec_seq_ids"], f["spec_store_rows"])
-    if "draft_k" in names:
+    if "draft_k" in f:
         draft = DraftInputs(f["draft_k"], f["seq_rows"], f["seq_store_rows"])
-    return spec, draft
+    return StepParts(f["input_ids"], f["positions"], attention, f["logits_indices"], sampling,
+                     f.get("target_token_ids"), spec, draft)
 
 
-def _forward_and_sample(graphdef, state, kv_cache, buf, want_top_logprobs, layout, flags):
-    """The target's forward over the packed batch, its logits at the sampled rows, and a sample."""
+def _forward_and_sample(graphdef, state, kv_cache, parts: StepParts, want_top_logprobs,
+                        flags: StepFlags) -> tuple[jax.Array, SamplerOutput, KVCache]:
+    """The target's forward over the batch, its logits at the sampled rows, and a sample.
+    -> (logits f32[R, V], SamplerOutput, kv_cache)."""
     model = nnx.merge(graphdef, state)
-    fields = unpack(buf, layout, _bitcast)
-    input_ids, positions, md, logits_indices, sampling = _step_parts(fields)
-    hidden, kv_cache = model(input_ids, positions, kv_cache, md,
+    hidden, kv_cache = model(parts.input_ids, parts.positions, kv_cache, parts.attention,
                              attention_backend=flags.attention_backend)  # hidden: [T, H]
-    logits = model.compute_logits(hidden[logits_indices])  # f32[R, V]
-    out = sample_any(logits, sampling, want_top_logprobs)
-    targets = fields.get("target_token_ids")  # i32[R] | None
+    logits = model.compute_logits(hidden[parts.logits_indices])  # f32[R, V]
+    out = sample_any(logits, parts.sampling, want_top_logprobs)
+    targets = parts.target_token_ids  # i32[R] | None
     if targets is not None:  # prompt-logprob rows: the logprob of the given next prompt token
         picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
         scored = picked - jax.nn.logsumexp(logits, axis=-1)  # f32[R]
         out = out._replace(logprobs=jnp.where(targets >= 0, scored, out.logprobs))
-    return logits, sampling, md, out, kv_cache
+    return logits, out, kv_cache
 
 
 def step_fn(
@@ -126,11 +98,11 @@ def step_fn(
     layout: PackedLayout,
     flags: StepFlags,
 ) -> tuple[SamplerOutput, KVCache]:
-    logits, sampling, md, out, kv_cache = _forward_and_sample(
-        graphdef, state, kv_cache, buf, want_top_logprobs, layout, flags)
-    spec, _ = unpack_spec(buf, layout)
-    if spec is not None:  # speculative verification (n-gram drafts: q one-hot)
-        out, _ = verify_drafts(logits, sampling, out, spec)
+    parts = unpack_step(buf, layout)
+    logits, out, kv_cache = _forward_and_sample(graphdef, state, kv_cache, parts,
+                                                want_top_logprobs, flags)
+    if parts.spec is not None:  # speculative verification (n-gram drafts: q one-hot)
+        out, _ = verify_drafts(logits, parts.sampling, out, parts.spec)
     return out, kv_cache
 
 
@@ -139,17 +111,17 @@ def draft_step_fn(graphdef, draft_graphdef, state, kv_cache, draft_state, draft_
     """`step_fn` plus a draft model: verify last step's drafts, run the draft over the batch and
     propose the next drafts, in one call. -> ((SamplerOutput, drafts i32[S, K]), kv_cache,
     draft_kv, q_store)."""
-    logits, sampling, md, out, kv_cache = _forward_and_sample(
-        graphdef, state, kv_cache, buf, want_top_logprobs, layout, flags)
-    input_ids, positions = unpack_step(buf, layout)[:2]  # slices of buf: deduplicated by XLA
-    spec, draft = unpack_spec(buf, layout)
-    num_accepted = jnp.zeros(md.kv_lens.shape, jnp.int32)  # i32[S]
-    if spec is not None:
-        out, accepted = verify_drafts(logits, sampling, out, spec, q_store)
-        num_accepted = num_accepted.at[spec.seq_ids].set(accepted, mode="drop")
+    parts = unpack_step(buf, layout)
+    logits, out, kv_cache = _forward_and_sample(graphdef, state, kv_cache, parts,
+                                                want_top_logprobs, flags)
+    num_accepted = jnp.zeros(parts.attention.kv_lens.shape, jnp.int32)  # i32[S]
+    if parts.spec is not None:
+        out, accepted = verify_drafts(logits, parts.sampling, out, parts.spec, q_store)
+        num_accepted = num_accepted.at[parts.spec.seq_ids].set(accepted, mode="drop")
     draft_ids, draft_kv, q_store = propose_drafts(
-        nnx.merge(draft_graphdef, draft_state), draft_kv, q_store, input_ids, positions, md,
-        sampling, out.token_ids, num_accepted, draft, attention_backend=flags.attention_backend)
+        nnx.merge(draft_graphdef, draft_state), draft_kv, q_store, parts.input_ids, parts.positions,
+        parts.attention, parts.sampling, out.token_ids, num_accepted, parts.draft,
+        attention_backend=flags.attention_backend)
     return (out, draft_ids), kv_cache, draft_kv, q_store
 
 

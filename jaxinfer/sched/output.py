@@ -1,4 +1,6 @@
-"""What `Scheduler.schedule()` hands to `make_step_input` and back to `Scheduler.update()`."""
+"""The step's two host-side records: what `Scheduler.schedule()` decided (`SchedulerOutput`, read
+by `make_step_input` and handed back to `Scheduler.update()`), and what the step sampled
+(`RunnerOutput`, numpy copies the runner returns and `Scheduler.update()` consumes)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxinfer.request import Request
+from jaxinfer.request import Request, SampledLogprobs
 from jaxinfer.sched.stats import SchedulerStats
 
 
@@ -69,3 +71,28 @@ class SchedulerOutput:
     @property
     def num_seqs(self) -> int:
         return len(self.scheduled)
+
+
+@dataclasses.dataclass
+class RunnerOutput:
+    """Host copies of what one step sampled, one entry per real sampled row (rows in
+    `SchedulerOutput.scheduled` order, `item.num_rows` each). A verifying item's rows hold its
+    emitted tokens (accepted drafts, then the target's own token), then -1."""
+
+    token_ids: np.ndarray  # i32[R]
+    logprobs: np.ndarray | None = None  # f32[R] raw-model logprob of each row's token; None: the
+    #   runner computed none (a fake model), so no logprobs are recorded
+    top_token_ids: np.ndarray | None = None  # i32[R, K] best first; None: no row asked for them
+    top_logprobs: np.ndarray | None = None  # f32[R, K]
+    draft_token_ids: np.ndarray | None = None  # i32[S, num_speculative_tokens] a draft model's
+    #   proposals for the next step, -1 padded (None without a draft model)
+
+    @property
+    def has_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    def sampled_logprobs(self, row: int, token_id: int, k: int) -> SampledLogprobs:
+        """Row `row`'s logprob of `token_id` and (k > 0) its top-k alternatives."""
+        top_ids = [] if self.top_token_ids is None or k == 0 else self.top_token_ids[row][:k].tolist()
+        top_lps = [] if self.top_logprobs is None or k == 0 else self.top_logprobs[row][:k].tolist()
+        return SampledLogprobs(token_id, float(self.logprobs[row]), top_ids, top_lps)

@@ -3,7 +3,7 @@
 Host-only (no JAX). The engine calls, per step:
     sched_out = scheduler.schedule()                  # advances num_computed_tokens
     step_input = make_step_input(sched_out, ...)      # numpy arrays for the compiled step
-    runner_out = runner.execute(step_input)           # token_ids i32[R] (+ logprobs)
+    runner_out = runner.execute(step_input)           # RunnerOutput: tokens (+ logprobs)
     changed = scheduler.update(sched_out, runner_out) # append, stop, free, cache full pages
 and, between steps, `finish_request(id, "stop", stop_reason=s)` for stop strings and
 `abort_request(id)`.
@@ -12,12 +12,13 @@ schedule() fills a token budget (max_num_batched_tokens) and a sequence budget (
 running decodes first, then running prefill chunks, then new admissions (FCFS or priority).
 A running request that cannot get a page preempts the most recently admitted one by recompute.
 
-Speculative decoding: a decoding request with drafts (`Request.spec_token_ids`, set by the engine's
-proposer between steps) schedules 1 + k new tokens, its last token plus the drafts, which the step
-verifies; `update` appends the accepted drafts plus the target's own next token and rolls the
-rejected drafts back by lowering `num_computed_tokens` (their pages are freed). How many drafts a
-request gets is `spec_policy`'s call (sched/spec_policy.py), capped here by the token budget, the
-context limit and max_tokens; drafts never preempt anyone (no free page: no drafts this step).
+Speculative decoding: a decoding request with drafts (`Request.spec_token_ids`, set between steps
+by `DraftProposer`, runtime/spec_decode.py) schedules 1 + k new tokens, its last token plus the
+drafts, which the step verifies; `update` appends the accepted drafts plus the target's own next
+token and rolls the rejected drafts back by lowering `num_computed_tokens` (their pages are
+freed). How many drafts a request gets is `spec_policy`'s call (sched/spec_policy.py), capped here
+by the token budget, the context limit and max_tokens; drafts never preempt anyone (no free page:
+no drafts this step).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ import collections
 import dataclasses
 import random
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.request import Request, RequestStatus, SampledLogprobs
-from jaxinfer.sched.output import ScheduledRequest, SchedulerOutput
+from jaxinfer.request import Request, RequestStatus
+from jaxinfer.sched.output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from jaxinfer.sched.page_pool import PagePool, extend_page_hashes
 from jaxinfer.sched.page_table import PageTable
 from jaxinfer.sched.spec_policy import SpecPolicy
@@ -343,18 +344,15 @@ class Scheduler:
         )
 
     # -- update -----------------------------------------------------------------------------
-    def update(self, sched_out: SchedulerOutput, runner_output: Any) -> list[Request]:
+    def update(self, sched_out: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
         """Appends each sampled token (rows in `sched_out.scheduled` order, `item.num_rows` per
         item; a mid-prompt chunk's row is ignored), applies token-level stops, frees finished
         requests' pages and caches newly full pages. A verifying item's rows hold its emitted
         tokens (accepted drafts, then the target's own token) and then -1: the rejected drafts are
-        rolled back (`num_computed_tokens` lowered, pages past it freed). `runner_output`: an int
-        array i32[>= num_rows] or an object with `.token_ids` (and optionally `.logprobs` f32[R],
-        `.top_token_ids`/`.top_logprobs` [R, K]). Returns the requests that got a token, in row
-        order (finished ones included)."""
-        rows = _RunnerRows(runner_output)
+        rolled back (`num_computed_tokens` lowered, pages past it freed). Returns the requests
+        that got a token, in row order (finished ones included)."""
         items = sched_out.scheduled
-        token_ids = rows.token_ids(sum(it.num_rows for it in items))
+        token_ids = runner_output.token_ids[:sum(it.num_rows for it in items)].tolist()
         now = self.clock()
         changed = []
         row = 0
@@ -365,7 +363,7 @@ class Scheduler:
                     req.num_computed_tokens != item.num_computed_tokens + item.num_new_tokens):
                 continue  # finished or aborted after schedule()
             if item.num_prompt_rows:
-                self._record_prompt_logprobs(item, rows, first_row)
+                self._record_prompt_logprobs(item, runner_output, first_row)
                 first_row += item.num_prompt_rows  # the sampled row, if any
             if not item.samples:
                 if req.num_computed_tokens // self.page_size > req.num_registered_pages:
@@ -377,7 +375,7 @@ class Scheduler:
                 emitted = token_ids[first_row:first_row + 1]
                 if self.spec_policy is not None and req.spec_enabled:
                     self.spec_policy.observe(req, 0, 0)  # a step without drafts
-            status = self._append(req, emitted, rows, first_row, now)
+            status = self._append(req, emitted, runner_output, first_row, now)
             if req.num_computed_tokens >= req.num_tokens:  # rolled back: K/V past it is dead
                 req.num_computed_tokens = req.num_tokens - 1
             if req.num_computed_tokens // self.page_size > req.num_registered_pages:
@@ -393,17 +391,17 @@ class Scheduler:
         return changed
 
     @staticmethod
-    def _record_prompt_logprobs(item: ScheduledRequest, rows: "_RunnerRows", first_row: int) -> None:
+    def _record_prompt_logprobs(item: ScheduledRequest, out: RunnerOutput, first_row: int) -> None:
         """The prompt-logprob rows' values: each row's logprob is that of the next prompt token
         (the step scores `StepInput.target_token_ids`), with the row's top-k."""
         req = item.request
-        if not rows.has_logprobs:
+        if not out.has_logprobs:
             raise ValueError("prompt logprobs need a runner output with logprobs")
         if not req.prompt_logprobs:
             req.prompt_logprobs.append(None)  # the first prompt token has no context
         k = req.sampling_params.prompt_logprobs
         for i, token_id in enumerate(item.prompt_row_targets()):
-            req.prompt_logprobs.append(rows.logprobs(first_row + i, token_id, k))
+            req.prompt_logprobs.append(out.sampled_logprobs(first_row + i, token_id, k))
 
     def _verified(self, item: ScheduledRequest, row_tokens: list[int]) -> list[int]:
         """A verifying item's emitted tokens; counts drafts and acceptances, informs the policy."""
@@ -421,14 +419,14 @@ class Scheduler:
         req.spec_token_ids = []
         return row_tokens[:num_emitted]
 
-    def _append(self, req: Request, emitted: list[int], rows: "_RunnerRows", first_row: int,
+    def _append(self, req: Request, emitted: list[int], out: RunnerOutput, first_row: int,
                 now: float) -> RequestStatus | None:
         """Appends tokens up to the first stop; returns the stop status or None."""
         num_logprobs = req.sampling_params.logprobs
         for i, token_id in enumerate(emitted):
             req.append_output_token(token_id, now)
-            if num_logprobs is not None and rows.has_logprobs:
-                req.output_logprobs.append(rows.logprobs(first_row + i, token_id, num_logprobs))
+            if num_logprobs is not None and out.has_logprobs:
+                req.output_logprobs.append(out.sampled_logprobs(first_row + i, token_id, num_logprobs))
             status = self._check_stop(req, token_id)
             if status is not None:
                 return status
@@ -553,22 +551,3 @@ class Scheduler:
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and not r.page_ids
 
-
-class _RunnerRows:
-    """Uniform access to a runner output: a plain token array or an object with `.token_ids`."""
-
-    def __init__(self, out: Any):
-        self._token_ids = getattr(out, "token_ids", out)
-        self._logprobs = getattr(out, "logprobs", None)
-        self._top_ids = getattr(out, "top_token_ids", None)
-        self._top_lps = getattr(out, "top_logprobs", None)
-        self.has_logprobs = self._logprobs is not None
-
-    def token_ids(self, num_rows: int) -> list[int]:
-        ids = self._token_ids[:num_rows]
-        return ids.tolist() if hasattr(ids, "tolist") else [int(t) for t in ids]
-
-    def logprobs(self, row: int, token_id: int, k: int) -> SampledLogprobs:
-        top_ids = [] if self._top_ids is None or k == 0 else [int(t) for t in self._top_ids[row][:k]]
-        top_lps = [] if self._top_lps is None or k == 0 else [float(x) for x in self._top_lps[row][:k]]
-        return SampledLogprobs(token_id, float(self._logprobs[row]), top_ids, top_lps)

@@ -24,137 +24,23 @@ logits score a prompt token (its last new tokens), then its sampled row; `target
 each such row's prompt token and the step returns that token's logprob there (R = T when the rows
 outnumber S, as for verification; these layouts compile on first use).
 
-One host->device copy: `StepInput.pack()` gives one i32 buffer and a static layout;
-`unpack(buf, layout, bitcast)` slices it back (numpy or jnp; f32/u32 fields are bitcast).
-Layout: the arrays of `_ARRAY_FIELDS` in that order (optional ones only when present), each
-flattened C-order and bit-cast to int32, back to back; `PackedField(name, offset, shape, dtype)`
-gives each one's offset in int32 words. The layout is a hashable tuple: a static jit argument, and
-it changes exactly when (T, S, P) or the optional widths change, i.e. once per executable.
+One host->device copy: `StepInput.pack()` gives one i32 buffer and its static layout
+(sched/step_buffer.py): the arrays of `_ARRAY_FIELDS` in that order, optional ones only when
+present. Buckets (T, S, P and the per-row widths) are sched/buckets.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Iterator
 
 import numpy as np
 
 from jaxinfer.config import EngineConfig
+from jaxinfer.sched.buckets import StepBuckets, width_bucket
 from jaxinfer.sched.output import SchedulerOutput
-
-MIN_NUM_TOKENS = 8
-MIN_NUM_SEQS = 1
-MIN_PAGES_PER_SEQ = 1
-MIN_HISTORY_WIDTH = 8
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
-def _powers_of_2(lo: int, hi: int) -> tuple[int, ...]:
-    """lo, 2lo, ... up to the first power of two >= hi (lo itself a power of two)."""
-    out = [next_power_of_2(lo)]
-    while out[-1] < hi:
-        out.append(out[-1] * 2)
-    return tuple(out)
-
-
-def _pick(buckets: tuple[int, ...], n: int, name: str) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{name}={n} exceeds the largest bucket {buckets[-1]}")
-
-
-@dataclasses.dataclass(frozen=True)
-class StepBuckets:
-    """The padded sizes a step may take. Any ascending tuples work (e.g. one fixed page width).
-
-    With `coarse_seqs` (what the engine uses) S is not free: it is the smallest seq bucket when the
-    step has that few sequences, else min(T, the largest seq bucket). Each T then has at most two
-    S, so the executables number about 2x the token buckets instead of their product; padded rows
-    cost one LM-head row each, small beside the T tokens of the step.
-    """
-
-    page_size: int
-    token_buckets: tuple[int, ...]  # T
-    seq_buckets: tuple[int, ...]  # S (== R)
-    page_buckets: tuple[int, ...]  # P
-    coarse_seqs: bool = False
-
-    @classmethod
-    def from_config(cls, engine_config: EngineConfig, max_model_len: int, *,
-                    min_num_tokens: int = MIN_NUM_TOKENS, min_num_seqs: int = MIN_NUM_SEQS,
-                    min_pages_per_seq: int = MIN_PAGES_PER_SEQ) -> "StepBuckets":
-        ps = engine_config.page_size
-        max_seqs = min(engine_config.max_num_seqs, engine_config.max_num_batched_tokens)
-        return cls(
-            page_size=ps,
-            token_buckets=_powers_of_2(min_num_tokens, engine_config.max_num_batched_tokens),
-            seq_buckets=_powers_of_2(min_num_seqs, max_seqs),
-            page_buckets=_powers_of_2(min_pages_per_seq, -(-max_model_len // ps)),
-        )
-
-    @classmethod
-    def coarse(cls, engine_config: EngineConfig, max_model_len: int, *,
-               min_num_tokens: int = 1, exact_verify: bool = True) -> "StepBuckets":
-        """Few executables: T powers of two from 1 (a single-stream decode step computes one token,
-        not eight), S coarse (see above), P one fixed width (the attention's work follows the real
-        context lengths, not P). With speculative decoding and `exact_verify`, T = 1 +
-        num_speculative_tokens is a bucket too: a single stream's full verification step then pads
-        nothing (the engine asks for it on the XLA path, where a CPU step's cost grows with T
-        already from 1 to 8; the Pallas kernels keep power-of-two T)."""
-        ps = engine_config.page_size
-        max_seqs = min(engine_config.max_num_seqs, engine_config.max_num_batched_tokens)
-        small = min(min_num_tokens, next_power_of_2(max_seqs))
-        seq_buckets = _powers_of_2(small, max_seqs)
-        token_buckets = _powers_of_2(min_num_tokens, engine_config.max_num_batched_tokens)
-        if exact_verify and engine_config.speculative_method is not None:
-            verify = 1 + engine_config.num_speculative_tokens
-            if min_num_tokens <= verify <= token_buckets[-1]:
-                token_buckets = tuple(sorted({*token_buckets, verify}))
-        return cls(
-            page_size=ps,
-            token_buckets=token_buckets,
-            seq_buckets=seq_buckets,
-            page_buckets=(-(-max_model_len // ps),),
-            coarse_seqs=True,
-        )
-
-    def _seq_bucket(self, num_tokens_bucket: int, num_seqs: int) -> int:
-        if not self.coarse_seqs or num_seqs <= self.seq_buckets[0]:
-            return _pick(self.seq_buckets, num_seqs, "num_seqs")
-        return _pick(self.seq_buckets, min(num_tokens_bucket, self.seq_buckets[-1]), "num_seqs")
-
-    def pick(self, num_tokens: int, num_seqs: int, pages_per_seq: int) -> tuple[int, int, int]:
-        t = _pick(self.token_buckets, num_tokens, "num_tokens")
-        return (t, self._seq_bucket(t, num_seqs),
-                _pick(self.page_buckets, pages_per_seq, "pages_per_seq"))
-
-    def all_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (T, S, P) `pick` can return (a step has at least one token per sequence)."""
-        if self.coarse_seqs:
-            ts = sorted({(t, self._seq_bucket(t, n)) for t in self.token_buckets
-                         for n in (1, min(t, self.seq_buckets[-1]))})
-            return [(t, s, p) for t, s in ts for p in self.page_buckets]
-        return [(t, s, p) for t in self.token_buckets for s in self.seq_buckets
-                if s <= max(t, self.seq_buckets[0]) for p in self.page_buckets]
-
-
-def all_buckets(engine_config: EngineConfig, max_model_len: int) -> list[tuple[int, int, int]]:
-    return StepBuckets.from_config(engine_config, max_model_len).all_shapes()
-
-
-class PackedField(NamedTuple):
-    name: str
-    offset: int  # in int32 words
-    shape: tuple[int, ...]
-    dtype: str  # numpy dtype name: int32 | float32 | uint32
-
-
-PackedLayout = tuple[PackedField, ...]  # hashable: pass it to jit as a static argument
+from jaxinfer.sched.step_buffer import PackedLayout, pack
 
 
 @dataclasses.dataclass
@@ -208,32 +94,14 @@ class StepInput:
         """(T, S, P)"""
         return (self.input_ids.shape[0],) + self.page_indices.shape
 
-    def attention_arrays(self) -> dict[str, np.ndarray]:
-        return {k: getattr(self, k) for k in
-                ("slot_mapping", "cu_q_lens", "kv_lens", "page_indices", "num_seqs")}
-
-    def sampling_arrays(self) -> dict[str, np.ndarray]:
-        """The per-row sampling arrays under SamplingMetadata's names (positions = sample_positions)."""
-        d = {k: getattr(self, k) for k in _SAMPLING_FIELDS}
-        d["positions"] = d.pop("sample_positions")
-        return d
-
     def array_fields(self) -> list[str]:
         return [f for f in _ARRAY_FIELDS if getattr(self, f) is not None]
 
     def pack(self) -> tuple[np.ndarray, PackedLayout]:
         """Every array in one i32 buffer (f32/u32 bit-for-bit) and its layout."""
-        parts, layout, offset = [], [], 0
-        for name in self.array_fields():
-            a = np.ascontiguousarray(getattr(self, name))
-            assert a.dtype.itemsize == 4, f"{name} is {a.dtype}"
-            parts.append(a.reshape(-1).view(np.int32))
-            layout.append(PackedField(name, offset, tuple(a.shape), _DTYPE_NAMES[a.dtype.char]))
-            offset += a.size
-        return np.concatenate(parts), tuple(layout)
+        return pack((name, getattr(self, name)) for name in self.array_fields())
 
 
-_DTYPE_NAMES = {"i": "int32", "f": "float32", "I": "uint32"}  # (dtype.name is slow)
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seeds", "sample_positions",
                     "presence_penalty", "frequency_penalty", "repetition_penalty")
 _SPEC_FIELDS = ("spec_row_ids", "spec_draft_ids", "spec_num_draft", "spec_seq_ids",
@@ -243,17 +111,6 @@ _ARRAY_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens
                  "num_seqs", "logits_indices") + _SAMPLING_FIELDS + (
                     "prompt_token_ids", "output_token_ids", "bias_token_ids", "bias_values",
                     "target_token_ids") + _SPEC_FIELDS + _DRAFT_FIELDS
-
-
-def unpack(buf: Any, layout: PackedLayout, bitcast: Callable[[Any, str], Any]) -> dict[str, Any]:
-    """Slices a packed buffer back into named arrays. `bitcast(x_i32, dtype_name)`: numpy
-    `lambda x, d: x.view(d)`; jax `lambda x, d: jax.lax.bitcast_convert_type(x, jnp.dtype(d))`."""
-    out = {}
-    for f in layout:
-        size = int(np.prod(f.shape, dtype=np.int64))
-        x = buf[f.offset:f.offset + size].reshape(f.shape)
-        out[f.name] = x if f.dtype == "int32" else bitcast(x, f.dtype)
-    return out
 
 
 # -- building -------------------------------------------------------------------------------
@@ -424,7 +281,7 @@ def _fill_optional(si: StepInput, sched_out: SchedulerOutput, rows: _Rows) -> No
              it.request.output_token_ids for it, j in row_items], num_rows)
     biases = [_row_bias(it, sched_out.eos_token_ids, j) for it, j in row_items]
     if any(biases):
-        width = next_power_of_2(max(MIN_HISTORY_WIDTH, max(len(b) for b in biases)))
+        width = width_bucket(max(len(b) for b in biases))
         si.bias_token_ids = np.full((num_rows, width), -1, np.int32)
         si.bias_values = np.zeros((num_rows, width), np.float32)
         for r, b in enumerate(biases):
@@ -486,7 +343,7 @@ def _row_bias(it, eos_token_ids: frozenset[int], num_drafts_before: int = 0) -> 
 
 
 def _pad_rows(rows: list[list[int]], num_rows: int) -> np.ndarray:
-    width = next_power_of_2(max(MIN_HISTORY_WIDTH, max((len(r) for r in rows), default=0)))
+    width = width_bucket(max((len(r) for r in rows), default=0))
     out = np.full((num_rows, width), -1, np.int32)
     for i, r in enumerate(rows):
         out[i, :len(r)] = r

@@ -13,8 +13,10 @@ import numpy as np
 from jaxinfer.config import EngineConfig
 from jaxinfer.request import Request
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sched.buckets import StepBuckets
+from jaxinfer.sched.output import RunnerOutput
 from jaxinfer.sched.scheduler import Scheduler
-from jaxinfer.sched.step_input import StepBuckets, make_step_input
+from jaxinfer.sched.step_input import make_step_input
 
 EOS = 1
 
@@ -32,7 +34,7 @@ class FakeRunner:
         self.kv_pos = np.full(num_pages * page_size, -1, np.int64)
         self.num_steps = 0
 
-    def execute(self, si, sched_out) -> np.ndarray:
+    def execute(self, si, sched_out) -> RunnerOutput:
         ps, n = self.page_size, si.num_rows
         assert np.all(si.slot_mapping[si.num_real_tokens:] < ps), "padding writes outside the null page"
         assert np.all(si.slot_mapping[:si.num_real_tokens] >= ps), "a real token writes the null page"
@@ -51,7 +53,7 @@ class FakeRunner:
             assert int(si.positions[last]) == kv_len - 1 and int(si.sample_positions[s]) == kv_len
             tokens[s] = fake_next_token(self.kv_token[slots], int(si.seeds[s]), self.vocab_size)
         self.num_steps += 1
-        return tokens
+        return RunnerOutput(token_ids=tokens)
 
 
 def make_config(**kw) -> EngineConfig:
@@ -90,8 +92,7 @@ class Harness:
         if sched_out.is_empty:
             return sched_out, []
         si = make_step_input(sched_out, self.config, self.max_model_len, buckets=self.buckets)
-        tokens = self.runner.execute(si, sched_out)
-        changed = self.sched.update(sched_out, tokens)
+        changed = self.sched.update(sched_out, self.runner.execute(si, sched_out))
         self.sched.check_invariants()
         for r in changed:
             if r.is_finished():

@@ -3,8 +3,9 @@ import subprocess
 import sys
 
 HOST_MODULES = ["jaxinfer", "jaxinfer.sampling_params", "jaxinfer.request", "jaxinfer.sched",
-                "jaxinfer.sched.page_pool", "jaxinfer.sched.scheduler", "jaxinfer.sched.step_input",
-                "jaxinfer.sched.stats", "jaxinfer.sched.output"]
+                "jaxinfer.sched.page_pool", "jaxinfer.sched.page_table", "jaxinfer.sched.scheduler",
+                "jaxinfer.sched.step_input", "jaxinfer.sched.step_buffer", "jaxinfer.sched.buckets",
+                "jaxinfer.sched.spec_policy", "jaxinfer.sched.stats", "jaxinfer.sched.output"]
 
 
 def test_host_modules_do_not_import_jax():

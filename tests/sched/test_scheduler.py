@@ -3,7 +3,9 @@ import pytest
 
 from jaxinfer.request import Request, RequestStatus
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sched.output import RunnerOutput
 from jaxinfer.sched.scheduler import Scheduler
+from jaxinfer.sched.step_input import make_step_input
 from tests.sched.fake_runner import EOS, Harness, make_config, make_request, solo_outputs
 
 
@@ -14,7 +16,8 @@ def prompt(n, start=10):
 def step_with(sched, tokens):
     """One schedule() + update() with hand-picked sampled tokens (one per row)."""
     out = sched.schedule()
-    changed = sched.update(out, np.asarray(tokens + [0] * (len(out.scheduled) - len(tokens)), np.int32))
+    changed = sched.update(out, RunnerOutput(
+        np.asarray(tokens + [0] * (len(out.scheduled) - len(tokens)), np.int32)))
     sched.check_invariants()
     return out, changed
 
@@ -165,7 +168,7 @@ def test_preemption_when_pages_run_out_then_both_complete():
 
 def test_resume_after_preemption_hits_its_own_cached_pages():
     h = Harness(num_pages=9, max_model_len=32, max_num_batched_tokens=32)
-    a = h.add(make_request("a", prompt(8), max_tokens=16, ignore_eos=True))
+    h.add(make_request("a", prompt(8), max_tokens=16, ignore_eos=True))
     b = h.add(make_request("b", prompt(8, start=30), max_tokens=16, ignore_eos=True))
     b_first_pages = None
     while b.status is not RequestStatus.PREEMPTED:
@@ -232,7 +235,7 @@ def test_abort_between_schedule_and_update_is_ignored_by_update():
     sched.add_request(a)
     out = sched.schedule()
     sched.abort_request("a")
-    assert sched.update(out, np.array([5])) == [] and a.output_token_ids == []
+    assert sched.update(out, RunnerOutput(np.array([5], np.int32))) == [] and a.output_token_ids == []
     sched.check_invariants()
 
 
@@ -393,10 +396,6 @@ def test_prompt_logprob_rows_across_chunks_and_no_prefix_hit():
     """prompt_logprobs: every chunk has one row per position that scores a prompt token (its
     last new tokens; position p scores token p + 1), then the sampled row; the step input names
     each row's target token; a cached prefix is not used for the part not yet scored."""
-    import types
-
-    from jaxinfer.sched.step_input import make_step_input
-
     config = make_config(max_num_batched_tokens=8)
     sched = Scheduler(config, 16, 32, (EOS,))
     p = prompt(20)
@@ -417,7 +416,7 @@ def test_prompt_logprob_rows_across_chunks_and_no_prefix_hit():
             p[it.kv_len - n + 1:it.kv_len - n + 1 + it.num_prompt_rows]
         assert (si.target_token_ids[it.num_prompt_rows:] == -1).all()
         layout.append((it.num_computed_tokens, it.num_new_tokens, it.num_prompt_rows, it.samples))
-        result = types.SimpleNamespace(  # logprob of row r: -r - position / 100
+        result = RunnerOutput(  # logprob of row r: -r - position / 100
             token_ids=np.full(n, 7, np.int32),
             logprobs=-(np.arange(n) + si.positions[rows] / 100).astype(np.float32),
             top_token_ids=np.tile(np.array([3, 4], np.int32), (n, 1)),

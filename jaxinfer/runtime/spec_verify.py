@@ -1,0 +1,169 @@
+"""Speculative decoding's verification, on the device inside the step: which drafts the target
+accepts, and the token it emits after them.
+
+Greedy rows accept the longest prefix of drafts equal to the target's argmax, then take the
+target's argmax: exactly what decoding one token at a time gives. Sampled rows use the rejection
+rule (Leviathan et al. 2023; Chen et al. 2023): accept draft x with probability min(1, p(x) / q(x)),
+on a rejection draw from normalize(max(0, p - q)), after k acceptances draw a bonus token from p,
+so the emitted tokens are distributed exactly as the target's. p is
+softmax(warp_logits(adjust_logits(logits))), the distribution `sample` draws from; n-gram drafts
+are deterministic (q one-hot), a draft model's q comes from its store (runtime/draft_model.py).
+Keys: `fold_in(key(seed), position)` of the row's first verified position, so results do not
+depend on the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.runtime.sampler import (GREEDY_EPS, SamplerOutput, SamplingMetadata, adjust_logits,
+                                      categorical, gather_rows, row_keys, uses_cutoff, warp_logits)
+
+
+class SpecInputs(NamedTuple):
+    """Which rows verify which drafts (see sched/step_input.py)."""
+
+    row_ids: jax.Array  # i32[Sv, K+1] rows of each verified position; R (out of range) = padding
+    draft_ids: jax.Array  # i32[Sv, K] -1 padded
+    num_draft: jax.Array  # i32[Sv]
+    seq_ids: jax.Array  # i32[Sv] the sequence (S = padding)
+    store_rows: jax.Array  # i32[Sv] where the draft model keeps this sequence's q
+
+
+def greedy_verify(target_ids: jax.Array, draft_ids: jax.Array, num_draft: jax.Array):
+    """Exact greedy verification. target_ids i32[N, K+1] (the target's argmax at each verified
+    position), draft_ids i32[N, K], num_draft i32[N] -> (emitted i32[N, K+1] (-1 after the
+    target's own token), num_accepted i32[N])."""
+    k = draft_ids.shape[1]
+    valid = jnp.arange(k)[None, :] < num_draft[:, None]
+    accept = (draft_ids == target_ids[:, :k]) & valid
+    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # i32[N]
+    emitted = jnp.where(jnp.arange(k + 1)[None, :] <= num_accepted[:, None], target_ids, -1)
+    return emitted.astype(jnp.int32), num_accepted.astype(jnp.int32)
+
+
+def target_probs(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """f32[N, V]: softmax(warp_logits(adjust_logits(logits))), the distribution `sample` draws
+    from; the top-k/top-p search runs only when some sampled row uses it."""
+    x = adjust_logits(logits.astype(jnp.float32), md)
+    x = jax.lax.cond(uses_cutoff(md), functools.partial(warp_logits, needs_sort=True),
+                     functools.partial(warp_logits, needs_sort=False), x, md)
+    return jax.nn.softmax(x, axis=-1)
+
+
+def verify_drafts(
+    logits: jax.Array,  # f32[R, V] the target's logits at every sampled row
+    md: SamplingMetadata,  # per row
+    sampled: SamplerOutput,  # `sample` on those rows (greedy rows: the exact argmax)
+    spec: SpecInputs,
+    draft_probs_store: jax.Array | None = None,  # f32[rows, K, V] a draft model's q; None: n-gram
+) -> tuple[SamplerOutput, jax.Array]:
+    """Verifies the drafts; returns the sampler output with each verified row's token replaced
+    by what it emits (accepted draft, then the target's own token, then -1) and its raw logprob,
+    and num_accepted i32[Sv]."""
+    num_spec, k_plus_1 = spec.row_ids.shape
+    vocab_size = logits.shape[-1]
+    flat = spec.row_ids.reshape(-1)  # i32[Sv*(K+1)]; padding R gathers row R-1, scatters nowhere
+    target_ids = sampled.token_ids[flat].reshape(num_spec, k_plus_1)
+    first = spec.row_ids[:, 0]
+    is_greedy = md.temperature[first] < GREEDY_EPS  # padding rows: whatever row R-1 is
+
+    def greedy(_):
+        return greedy_verify(target_ids, spec.draft_ids, spec.num_draft)
+
+    def rejection(_):
+        probs = target_probs(logits[flat], gather_rows(md, flat))
+        q = None if draft_probs_store is None else draft_probs_store[spec.store_rows]
+        keys = row_keys(md.seeds[first], md.positions[first])
+        return rejection_sample(probs.reshape(num_spec, k_plus_1, vocab_size), q, spec.draft_ids,
+                                spec.num_draft, keys, is_greedy=is_greedy, target_argmax=target_ids)
+
+    emitted, num_accepted = jax.lax.cond(jnp.all(is_greedy), greedy, rejection, None)
+    flat_emitted = emitted.reshape(-1)
+    raw = jax.nn.log_softmax(logits[flat].astype(jnp.float32), axis=-1)
+    logprobs = jnp.take_along_axis(raw, jnp.maximum(flat_emitted, 0)[:, None], axis=-1)[:, 0]
+    out = sampled._replace(
+        token_ids=sampled.token_ids.at[flat].set(flat_emitted, mode="drop"),
+        logprobs=sampled.logprobs.at[flat].set(logprobs, mode="drop"))
+    return out, num_accepted
+
+
+def rejection_sample(
+    target_probs: jax.Array,  # f32[R, k+1, V]  target distribution at each draft position + bonus
+    draft_probs: jax.Array | None,  # f32[R, k, V]  None: deterministic proposals (q one-hot)
+    draft_token_ids: jax.Array,  # i32[R, k]
+    num_draft: jax.Array,  # i32[R]  real drafts per row (<= k); the rest is padding
+    keys: jax.Array,  # key[R]  one typed PRNG key per row (e.g. row_keys(seeds, positions))
+    *,
+    is_greedy: jax.Array | None = None,  # bool[R]  rows verified by exact argmax match
+    target_argmax: jax.Array | None = None,  # i32[R, k+1]  exact argmax of the target logits
+) -> tuple[jax.Array, jax.Array]:
+    """Speculative-decoding verification (Leviathan et al. 2023; Chen et al. 2023).
+
+    Draft token j is accepted with probability min(1, p_j(x) / q_j(x)); the first rejection draws
+    its replacement from normalize(max(0, p_j - q_j)); when all `num_draft` drafts are accepted a
+    bonus token comes from p[num_draft]. The emitted tokens are then distributed exactly as the
+    target. Greedy rows accept while the draft equals the target argmax and then emit that argmax
+    (pass `target_argmax` from the logits for an exact argmax; otherwise argmax of `target_probs`).
+
+    Returns `output_token_ids` i32[R, k+1] (the accepted drafts, then the replacement or bonus
+    token, then -1) and `num_accepted` i32[R] (accepted drafts; the row emits num_accepted + 1).
+    """
+    num_rows, k_plus_1, vocab_size = target_probs.shape
+    k = k_plus_1 - 1
+    if draft_token_ids.shape != (num_rows, k):
+        raise ValueError(
+            f"{draft_token_ids.shape=} must be ({num_rows}, {k}) for {target_probs.shape=}")
+    if draft_probs is not None and draft_probs.shape != (num_rows, k, vocab_size):
+        raise ValueError(f"{draft_probs.shape=} must be ({num_rows}, {k}, {vocab_size})")
+    if num_draft.shape != (num_rows,) or keys.shape != (num_rows,):
+        raise ValueError(f"{num_draft.shape=} and {keys.shape=} must be ({num_rows},)")
+    target_probs = target_probs.astype(jnp.float32)
+    rows = jnp.arange(num_rows)
+    draft_ids = jnp.clip(draft_token_ids, 0, vocab_size - 1)  # padding may be -1
+    valid = jnp.arange(k)[None, :] < num_draft[:, None]  # bool[R, k]
+
+    p_draft = jnp.take_along_axis(target_probs[:, :k], draft_ids[..., None], axis=-1)[..., 0]
+    if draft_probs is None:
+        q_draft = jnp.ones_like(p_draft)
+    else:
+        draft_probs = draft_probs.astype(jnp.float32)
+        q_draft = jnp.take_along_axis(draft_probs, draft_ids[..., None], axis=-1)[..., 0]
+    uniform = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0), (k,)))(keys)
+    accept = uniform * q_draft < p_draft  # u < p / q without dividing by q
+    if is_greedy is not None:
+        if target_argmax is None:
+            target_argmax = jnp.argmax(target_probs, axis=-1)
+        target_argmax = target_argmax.astype(jnp.int32)  # i32[R, k+1]
+        accept = jnp.where(is_greedy[:, None], draft_token_ids == target_argmax[:, :k], accept)
+    accept = accept & valid
+    num_accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # i32[R]
+
+    # The one extra token: replacement at the first rejection, or bonus after all drafts.
+    p_last = target_probs[rows, num_accepted]  # f32[R, V]
+    rejected = num_accepted < num_draft
+    if k > 0:
+        at = jnp.minimum(num_accepted, k - 1)
+        if draft_probs is None:
+            q_last = jax.nn.one_hot(draft_ids[rows, at], vocab_size, dtype=jnp.float32)
+        else:
+            q_last = draft_probs[rows, at]
+        residual = jnp.maximum(p_last - q_last, 0.0)
+        use_residual = rejected & (jnp.sum(residual, axis=-1) > 0)  # 0: p == q up to rounding
+        dist = jnp.where(use_residual[:, None], residual, p_last)
+    else:
+        dist = p_last
+    last = categorical(dist, jax.vmap(lambda key: jax.random.fold_in(key, 1))(keys))
+    if is_greedy is not None:
+        last = jnp.where(is_greedy, target_argmax[rows, num_accepted], last)
+
+    positions = jnp.arange(k + 1)[None, :]
+    drafts = jnp.pad(draft_token_ids.astype(jnp.int32), ((0, 0), (0, 1)), constant_values=-1)
+    output_token_ids = jnp.where(
+        positions < num_accepted[:, None], drafts,
+        jnp.where(positions == num_accepted[:, None], last[:, None], -1))
+    return output_token_ids, num_accepted.astype(jnp.int32)
