@@ -37,18 +37,24 @@ class Attention(nnx.Module):
         num_tokens = x.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-        q = qkv[:, :q_size].reshape(num_tokens, self.num_heads, self.head_dim)
-        k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = qkv[:, q_size + kv_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        kv_cache = ops.write_kv(kv_cache, layer, k, v, md.slot_mapping, backend=attention_backend)
-        out = ops.ragged_paged_attention(
-            q, kv_cache.k, kv_cache.v, layer, md, sm_scale=self.head_dim ** -0.5,
-            sliding_window=self.sliding_window, backend=attention_backend,
-            k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, q_size)), kv_cache
+        with jax.named_scope("qkv_proj"):
+            qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        with jax.named_scope("rope"):
+            q = qkv[:, :q_size].reshape(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            v = qkv[:, q_size + kv_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+        with jax.named_scope("kv_write"):
+            kv_cache = ops.write_kv(kv_cache, layer, k, v, md.slot_mapping,
+                                    backend=attention_backend)
+        with jax.named_scope("attention"):
+            out = ops.ragged_paged_attention(
+                q, kv_cache.k, kv_cache.v, layer, md, sm_scale=self.head_dim ** -0.5,
+                sliding_window=self.sliding_window, backend=attention_backend,
+                k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)  # [T, Hq, D]
+        with jax.named_scope("o_proj"):
+            return self.o_proj(out.reshape(num_tokens, q_size)), kv_cache
 
 
 class MLP(nnx.Module):
@@ -62,9 +68,11 @@ class MLP(nnx.Module):
                                 dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x):
-        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        with jax.named_scope("gate_up_proj"):
+            gate_up = self.gate_up_proj(x)  # [T, 2 I]
         gate, up = gate_up[:, :self.intermediate_size], gate_up[:, self.intermediate_size:]
-        return self.down_proj(jax.nn.silu(gate) * up)
+        with jax.named_scope("down_proj"):
+            return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -76,10 +84,13 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, kv_cache, layer, md, attention_backend):
-        attn_out, kv_cache = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer, md,
-                                            attention_backend)
+        with jax.named_scope("norm"):
+            h = self.input_layernorm(x)
+        attn_out, kv_cache = self.self_attn(h, cos, sin, kv_cache, layer, md, attention_backend)
         x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        with jax.named_scope("norm"):
+            h = self.post_attention_layernorm(x)
+        x = x + self.mlp(h)
         return x, kv_cache
 
 
@@ -124,6 +135,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         # hidden: [R, hidden_size] (rows of __call__'s output) -> f32[R, vocab_size]
-        if self.lm_head is None:
-            return self.embed_tokens.attend(hidden)
-        return self.lm_head(hidden).astype(jnp.float32)
+        with jax.named_scope("lm_head"):
+            if self.lm_head is None:
+                return self.embed_tokens.attend(hidden)
+            return self.lm_head(hidden).astype(jnp.float32)
