@@ -55,7 +55,7 @@ def run_mode(llm: LLM, prompts, params) -> dict:
     ttft = [o.metrics.time_to_first_token for o in outs.values()]
     return dict(seconds=dt, out_tok_s=num_out / dt, num_out=num_out,
                 kv_util=float(np.mean(utils)) if utils else float("nan"),
-                ttft_mean=float(np.mean(ttft)), steps=eng.num_steps,
+                ttft_mean=float(np.mean(ttft)), steps=eng.metrics.num_steps,
                 preemptions=eng.metrics.num_preemptions_total,
                 tokens={o.request_id: o.outputs[0].token_ids for o in outs.values()})
 
@@ -112,7 +112,6 @@ def main() -> None:
         ec = dataclasses.replace(eng.engine_config, scheduling=mode)
         eng.scheduler = Scheduler(ec, eng.num_pages, eng.max_model_len,
                                   eng.scheduler.eos_token_ids)
-        eng.num_steps = 0
         r = run_mode(llm, prompts, params)
         results[mode] = r
         rows.append((mode, r))

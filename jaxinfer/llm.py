@@ -97,8 +97,7 @@ class LLM:
                     if out.finished:
                         return
         finally:
-            if self.engine.scheduler.get_request(request_id) is not None:
-                self.engine.abort_request(request_id)
+            self.engine.abort_request(request_id)  # no-op once it has finished
 
     # -- internals --------------------------------------------------------------------------
     def _add(self, prompts: list[Prompt], params: list[SamplingParams],

@@ -1,9 +1,10 @@
-"""TextTracker: text, stop strings and token trimming from cumulative token ids (host only)."""
+"""TextTracker: text, stop strings and token trimming from cumulative token ids; OutputProcessor:
+stop strings reported, never acted on (host only)."""
 
 from __future__ import annotations
 
-from jaxinfer.engine.outputs import TextTracker
-from jaxinfer.request import CompletionOutput, RequestOutput
+from jaxinfer.engine.outputs import OutputProcessor, TextTracker
+from jaxinfer.request import CompletionOutput, Request, RequestOutput, RequestStatus
 from jaxinfer.sampling_params import SamplingParams
 from tests.serve.fake_engine import FakeTokenizer
 
@@ -62,3 +63,25 @@ def test_stop_in_the_final_flush_and_none_found():
     tracker = TextTracker(TOK, ids("p"), SamplingParams(stop=["zz"]))
     out = tracker.apply(output(ids("abc"), finished=True, finish_reason="length"))
     assert out.outputs[0].text == "abc" and out.outputs[0].finish_reason == "length"
+
+
+def test_output_processor_reports_stop_strings_and_leaves_requests_alone():
+    proc = OutputProcessor(TOK)
+    stopping = Request("a", ids("p"), SamplingParams(stop=["STOP"]), status=RequestStatus.RUNNING)
+    plain = Request("b", ids("p"), SamplingParams(), status=RequestStatus.RUNNING)
+    for req in (stopping, plain):
+        proc.add(req, "p")
+    for t in ids("abc STOP def"):
+        stopping.append_output_token(t, 0.0)
+    for t in ids("xy"):
+        plain.append_output_token(t, 0.0)
+    assert proc.update_text([stopping, plain]) == [("a", "STOP")]
+    assert stopping.status is RequestStatus.RUNNING  # finishing it is the engine's call
+    stopping.status, stopping.stop_reason = RequestStatus.FINISHED_STOPPED, "STOP"  # as finished
+    a, b = proc.process([stopping, plain])
+    assert a.finished and a.outputs[0].text == "abc " and a.outputs[0].token_ids == ids("abc STOP")
+    assert a.outputs[0].finish_reason == "stop" and a.outputs[0].stop_reason == "STOP"
+    assert not b.finished and b.outputs[0].text == "xy" and b.prompt == "p"
+    assert proc.process([stopping]) == []  # a finished request's track is gone
+    tokens_only = proc.process([plain], detokenize=False)[0]
+    assert tokens_only.outputs[0].text == "" and tokens_only.outputs[0].token_ids == ids("xy")

@@ -78,7 +78,6 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.buckets = StepBuckets.coarse(self.engine_config, self.max_model_len,
                                           exact_verify=self.runner.attention_backend == "xla")
-        self.num_steps = 0
         logger.info(
             "KV cache: %d pages of %d tokens = %d tokens (%.1f MiB)",
             self.num_pages - 1, self.engine_config.page_size,
@@ -225,7 +224,6 @@ class LLMEngine:
         updated = self.scheduler.update(sched_out, runner_out)
         if self.proposer is not None:
             self.proposer.propose(sched_out, runner_out, updated, self.scheduler)
-        self.num_steps += 1
         if detokenize:  # a stop string ends its request now, before the outputs are made
             for request_id, stop in self.outputs.update_text(updated):
                 self.scheduler.finish_request(request_id, "stop", stop_reason=stop)

@@ -1,9 +1,8 @@
 """Compiled steps saved to disk and loaded back without tracing.
 
 JAX's persistent compilation cache skips XLA's compile, but its key is a hash of the lowered
-program, so every start still traces and lowers each shape bucket (~0.5-1.5 s each on a small
-CPU, ~20 of them). This cache keys a serialized executable
-(`jax.experimental.serialize_executable`) by what determines the program instead:
+program, so every start still traces and lowers every shape bucket. This cache keys a serialized
+executable (`jax.experimental.serialize_executable`) by what determines the program instead:
 
   * the code: a hash of every .py file of `jaxinfer` and `pallas_kernels`, and the versions of
     jax, jaxlib, flax, numpy, ml_dtypes and any PJRT plugin;

@@ -46,52 +46,6 @@ def greedy_verify(target_ids: jax.Array, draft_ids: jax.Array, num_draft: jax.Ar
     return emitted.astype(jnp.int32), num_accepted.astype(jnp.int32)
 
 
-def target_probs(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """f32[N, V]: softmax(warp_logits(adjust_logits(logits))), the distribution `sample` draws
-    from; the top-k/top-p search runs only when some sampled row uses it."""
-    x = adjust_logits(logits.astype(jnp.float32), md)
-    x = jax.lax.cond(uses_cutoff(md), functools.partial(warp_logits, needs_sort=True),
-                     functools.partial(warp_logits, needs_sort=False), x, md)
-    return jax.nn.softmax(x, axis=-1)
-
-
-def verify_drafts(
-    logits: jax.Array,  # f32[R, V] the target's logits at every sampled row
-    md: SamplingMetadata,  # per row
-    sampled: SamplerOutput,  # `sample` on those rows (greedy rows: the exact argmax)
-    spec: SpecInputs,
-    draft_probs_store: jax.Array | None = None,  # f32[rows, K, V] a draft model's q; None: n-gram
-) -> tuple[SamplerOutput, jax.Array]:
-    """Verifies the drafts; returns the sampler output with each verified row's token replaced
-    by what it emits (accepted draft, then the target's own token, then -1) and its raw logprob,
-    and num_accepted i32[Sv]."""
-    num_spec, k_plus_1 = spec.row_ids.shape
-    vocab_size = logits.shape[-1]
-    flat = spec.row_ids.reshape(-1)  # i32[Sv*(K+1)]; padding R gathers row R-1, scatters nowhere
-    target_ids = sampled.token_ids[flat].reshape(num_spec, k_plus_1)
-    first = spec.row_ids[:, 0]
-    is_greedy = md.temperature[first] < GREEDY_EPS  # padding rows: whatever row R-1 is
-
-    def greedy(_):
-        return greedy_verify(target_ids, spec.draft_ids, spec.num_draft)
-
-    def rejection(_):
-        probs = target_probs(logits[flat], gather_rows(md, flat))
-        q = None if draft_probs_store is None else draft_probs_store[spec.store_rows]
-        keys = row_keys(md.seeds[first], md.positions[first])
-        return rejection_sample(probs.reshape(num_spec, k_plus_1, vocab_size), q, spec.draft_ids,
-                                spec.num_draft, keys, is_greedy=is_greedy, target_argmax=target_ids)
-
-    emitted, num_accepted = jax.lax.cond(jnp.all(is_greedy), greedy, rejection, None)
-    flat_emitted = emitted.reshape(-1)
-    raw = jax.nn.log_softmax(logits[flat].astype(jnp.float32), axis=-1)
-    logprobs = jnp.take_along_axis(raw, jnp.maximum(flat_emitted, 0)[:, None], axis=-1)[:, 0]
-    out = sampled._replace(
-        token_ids=sampled.token_ids.at[flat].set(flat_emitted, mode="drop"),
-        logprobs=sampled.logprobs.at[flat].set(logprobs, mode="drop"))
-    return out, num_accepted
-
-
 def rejection_sample(
     target_probs: jax.Array,  # f32[R, k+1, V]  target distribution at each draft position + bonus
     draft_probs: jax.Array | None,  # f32[R, k, V]  None: deterministic proposals (q one-hot)
@@ -167,3 +121,49 @@ def rejection_sample(
         positions < num_accepted[:, None], drafts,
         jnp.where(positions == num_accepted[:, None], last[:, None], -1))
     return output_token_ids, num_accepted.astype(jnp.int32)
+
+
+def target_probs(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """f32[N, V]: softmax(warp_logits(adjust_logits(logits))), the distribution `sample` draws
+    from; the top-k/top-p search runs only when some sampled row uses it."""
+    x = adjust_logits(logits.astype(jnp.float32), md)
+    x = jax.lax.cond(uses_cutoff(md), functools.partial(warp_logits, needs_sort=True),
+                     functools.partial(warp_logits, needs_sort=False), x, md)
+    return jax.nn.softmax(x, axis=-1)
+
+
+def verify_drafts(
+    logits: jax.Array,  # f32[R, V] the target's logits at every sampled row
+    md: SamplingMetadata,  # per row
+    sampled: SamplerOutput,  # `sample` on those rows (greedy rows: the exact argmax)
+    spec: SpecInputs,
+    draft_probs_store: jax.Array | None = None,  # f32[rows, K, V] a draft model's q; None: n-gram
+) -> tuple[SamplerOutput, jax.Array]:
+    """Verifies the drafts; returns the sampler output with each verified row's token replaced
+    by what it emits (accepted draft, then the target's own token, then -1) and its raw logprob,
+    and num_accepted i32[Sv]."""
+    num_spec, k_plus_1 = spec.row_ids.shape
+    vocab_size = logits.shape[-1]
+    flat = spec.row_ids.reshape(-1)  # i32[Sv*(K+1)]; padding R gathers row R-1, scatters nowhere
+    target_ids = sampled.token_ids[flat].reshape(num_spec, k_plus_1)
+    first = spec.row_ids[:, 0]
+    is_greedy = md.temperature[first] < GREEDY_EPS  # padding rows: whatever row R-1 is
+
+    def greedy(_):
+        return greedy_verify(target_ids, spec.draft_ids, spec.num_draft)
+
+    def rejection(_):
+        probs = target_probs(logits[flat], gather_rows(md, flat))
+        q = None if draft_probs_store is None else draft_probs_store[spec.store_rows]
+        keys = row_keys(md.seeds[first], md.positions[first])
+        return rejection_sample(probs.reshape(num_spec, k_plus_1, vocab_size), q, spec.draft_ids,
+                                spec.num_draft, keys, is_greedy=is_greedy, target_argmax=target_ids)
+
+    emitted, num_accepted = jax.lax.cond(jnp.all(is_greedy), greedy, rejection, None)
+    flat_emitted = emitted.reshape(-1)
+    raw = jax.nn.log_softmax(logits[flat].astype(jnp.float32), axis=-1)
+    logprobs = jnp.take_along_axis(raw, jnp.maximum(flat_emitted, 0)[:, None], axis=-1)[:, 0]
+    out = sampled._replace(
+        token_ids=sampled.token_ids.at[flat].set(flat_emitted, mode="drop"),
+        logprobs=sampled.logprobs.at[flat].set(logprobs, mode="drop"))
+    return out, num_accepted

@@ -68,10 +68,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.scheduled)
-
 
 @dataclasses.dataclass
 class RunnerOutput:
