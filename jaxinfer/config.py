@@ -193,7 +193,9 @@ class ModelConfig:
         return cls.from_hf_dict(d)
 
 
-Backend = Literal["auto", "xla", "pallas"]  # auto: Pallas on a GPU, XLA elsewhere (ops.resolve_backend)
+# Kernels: pallas (GPU), cpu (C++ kernels for the CPU), xla (plain jnp, everywhere); auto picks
+# pallas on a GPU and cpu on a CPU where those build (ops.resolve_backend).
+Backend = Literal["auto", "xla", "pallas", "cpu"]
 DType = Literal["float32", "bfloat16", "float16"]
 KVCacheDType = Literal["float32", "bfloat16", "float16", "int8"]
 Quantization = Literal["int8", "int4"]
@@ -218,7 +220,7 @@ class EngineConfig:
     max_model_len: int | None = None  # context length (default: the model's)
     dtype: DType = "float32"  # weights and activations
     kv_cache_dtype: KVCacheDType | None = None  # KV cache (default: dtype); int8 is ~half of bf16
-    attention_backend: Backend = "auto"  # kernels: pallas on a GPU, xla elsewhere when auto
+    attention_backend: Backend = "auto"  # kernels: pallas on a GPU, cpu (C++) on a CPU when auto
     enable_prefix_caching: bool = True  # reuse the KV pages of prompts seen before
     scheduling: Literal["continuous", "static"] = "continuous"  # batching
     # fcfs, or priority (a lower `priority` runs first and may preempt)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("jaxinfer", "serve", "pallas_kernels")
+PACKAGES = ("jaxinfer", "serve", "pallas_kernels", "cpu_kernels")
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess:

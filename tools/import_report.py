@@ -17,7 +17,7 @@ import ast
 import sys
 from pathlib import Path
 
-PACKAGES = ("jaxinfer", "serve", "pallas_kernels")
+PACKAGES = ("jaxinfer", "serve", "pallas_kernels", "cpu_kernels")
 ROOT = Path(__file__).resolve().parents[1]
 
 

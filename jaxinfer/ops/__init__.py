@@ -4,11 +4,14 @@
     ragged_paged_attention   the step's attention over the paged cache
     quantized_matmul         x @ an int8 / int4 `QuantizedWeight`
 
-`backend` is "pallas" (pallas_kernels/, interpreted off the GPU), "xla" (plain jnp: the production
-path on the CPU) or "auto", resolved by `resolve_backend` alone: Pallas on a GPU, XLA elsewhere. A
-kernel that cannot handle a case raises NotImplementedError and the op runs on the XLA path with a
-warning, so every platform runs everything. The implementations live beside this module
-(`xla_attention.py`, `kv_cache.py`) and in `pallas_kernels/` and `jaxinfer/quant/xla.py`.
+`backend` is "pallas" (pallas_kernels/, interpreted off the GPU), "cpu" (cpu_kernels/: C++ kernels
+compiled on first use, the production path on a CPU), "xla" (plain jnp, everywhere) or "auto",
+resolved by `resolve_backend` alone: Pallas on a GPU, the C++ kernels on a CPU where they build,
+XLA otherwise. A kernel that cannot handle a case raises NotImplementedError and the op runs on the
+XLA path with a warning, so every platform runs everything. Ops without a kernel for a backend
+(writing the cache and the quantized matmul on "cpu") run on the XLA path, which is what that
+backend wants there. The implementations live beside this module (`xla_attention.py`,
+`kv_cache.py`) and in `pallas_kernels/`, `cpu_kernels/` and `jaxinfer/quant/xla.py`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache
 from jaxinfer.ops.xla_attention import ragged_paged_attention_xla
 from jaxinfer.quant import QuantizedWeight
 from jaxinfer.quant import quantized_matmul as quantized_matmul_xla
+from cpu_kernels import ragged_paged_attention as cpu_attention
 from pallas_kernels.kv_write import write_kv as write_kv_pallas
 from pallas_kernels.kv_write import write_kv_reference as write_kv_xla
 from pallas_kernels.quant_matmul import quant_matmul as quant_matmul_pallas
@@ -33,11 +37,15 @@ BACKENDS: tuple[str, ...] = typing.get_args(Backend)
 
 
 def resolve_backend(backend: str) -> str:
-    """"pallas" or "xla" for a backend setting ("auto": Pallas on a GPU, XLA elsewhere)."""
+    """"pallas", "cpu" or "xla" for a backend setting ("auto": Pallas on a GPU, the C++ kernels
+    on a CPU when they build there, else XLA)."""
     if backend not in BACKENDS:
         raise ValueError(f"{backend=} must be one of {BACKENDS}")
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        platform = jax.default_backend()
+        if platform == "gpu":
+            return "pallas"
+        return "cpu" if platform == "cpu" and cpu_attention.available() else "xla"
     return backend
 
 
@@ -81,7 +89,15 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
                          f"caches ({k_scale is None=}, {v_scale is None=})")
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                    k_scale=k_scale, v_scale=v_scale)
-    if resolve_backend(backend) == "pallas":
+    backend = resolve_backend(backend)
+    if backend == "cpu":
+        try:
+            return cpu_attention.ragged_paged_attention(
+                q, k_cache, v_cache, layer, md.kv_lens, md.page_indices, md.cu_q_lens,
+                md.num_seqs, **options)
+        except NotImplementedError as e:
+            _fall_back("ragged_paged_attention (cpu)", e)
+    if backend == "pallas":
         try:
             return ragged_paged_attention_pallas(
                 q, k_cache, v_cache, layer, md.kv_lens, md.page_indices, md.cu_q_lens,

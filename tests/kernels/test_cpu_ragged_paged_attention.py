@@ -1,0 +1,149 @@
+"""The CPU attention kernel (C++, XLA FFI) against the jnp reference and dense attention.
+Unwritten slots are NaN: a read of the wrong page, or of a slot past the context, poisons the
+output."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_kernels import build
+from cpu_kernels.ragged_paged_attention import available, ragged_paged_attention
+from pallas_kernels.kv_write import quantize_kv
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+from tests.kernels.paged_batches import layout, make_paged_batch, naive_attention, rel_err
+
+LAYER = 1
+F32_TOL = 2e-5
+# A mixed step: a fresh prefill (not a page multiple), a chunked prefill over earlier context,
+# decodes (one of a 1-token sequence, one at a page multiple), a 1+3 verification.
+MIXED = dict(q_lens=[19, 7, 1, 1, 4, 1], kv_lens=[19, 40, 1, 32, 23, 17])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built():
+    assert available(), "the CPU kernel did not build (is a C++ compiler installed?)"
+
+
+def run(batch, layer=LAYER, **kw):
+    sm_scale = 1.0 / math.sqrt(batch.q.shape[-1])
+    out = jax.jit(lambda q, k, v, *md: ragged_paged_attention(q, k, v, jnp.int32(layer), *md,
+                                                              sm_scale=sm_scale, **kw))(
+        batch.q, batch.k_cache, batch.v_cache, *layout(batch))
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    out = np.asarray(out, np.float32)
+    assert not np.isnan(out).any()
+    assert (out[batch.num_tokens_real:] == 0).all()  # padding tokens
+    return out
+
+
+@pytest.mark.parametrize("page_size,head_dim,group", [
+    (8, 64, 1), (16, 128, 3), (32, 64, 4), (16, 64, 8), (16, 96, 3), (4, 16, 2), (64, 64, 3),
+])
+def test_mixed_batch_against_dense_attention(page_size, head_dim, group):
+    """Every page-size/head-dim specialisation and the generic path (D=96, page 4 and 64)."""
+    batch = make_paged_batch(page_size, **MIXED, page_size=page_size, head_dim=head_dim,
+                             num_kv_heads=2, group=group, num_seqs_pad=8, num_tokens_pad=40)
+    out = run(batch)
+    ref = naive_attention(batch, LAYER, sm_scale=1.0 / math.sqrt(head_dim))
+    assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
+
+
+def test_long_prefill_blocks_and_garbage_padding():
+    """A prefill longer than one work item's token block, beside decodes; padded sequences
+    beyond num_seqs carry garbage lengths, pages and tokens that must be ignored."""
+    batch = make_paged_batch(3, q_lens=[75, 1, 1, 33], kv_lens=[140, 64, 3, 33], page_size=16,
+                             head_dim=64, num_kv_heads=3, group=3, num_seqs_pad=8,
+                             num_tokens_pad=128, garbage_padding=True)
+    out = run(batch, layer=0)
+    ref = naive_attention(batch, 0, sm_scale=0.125)
+    assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", [(7, None), (13, 3.0), (None, 2.0), (1, None)])
+def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
+    batch = make_paged_batch(11, **MIXED, page_size=8, head_dim=64, num_kv_heads=2, group=3,
+                             num_seqs_pad=8, num_tokens_pad=40)
+    out = run(batch, sliding_window=sliding_window, soft_cap=soft_cap)
+    ref = naive_attention(batch, LAYER, sm_scale=0.125, sliding_window=sliding_window,
+                          soft_cap=soft_cap)
+    assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_caches(dtype):
+    """16-bit caches are widened exactly: equal to the reference on the same 16-bit pages."""
+    batch = make_paged_batch(5, **MIXED, page_size=16, head_dim=64, num_kv_heads=2, group=4,
+                             num_seqs_pad=8, num_tokens_pad=40)
+    k, v = batch.k_cache.astype(dtype), batch.v_cache.astype(dtype)
+    out = run(batch._replace(k_cache=k, v_cache=v))
+    ref = ragged_paged_attention_reference(batch.q, k, v, LAYER, *layout(batch), sm_scale=0.125)
+    assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
+
+
+def test_int8_pages():
+    batch = make_paged_batch(6, **MIXED, page_size=16, head_dim=128, num_kv_heads=2, group=4,
+                             num_seqs_pad=8, num_tokens_pad=40)
+    kq, ks = quantize_kv(jnp.nan_to_num(batch.k_cache))
+    vq, vs = quantize_kv(jnp.nan_to_num(batch.v_cache))
+    out = run(batch._replace(k_cache=kq, v_cache=vq), k_scale=ks, v_scale=vs)
+    sm_scale = 1.0 / math.sqrt(128)
+    ref = ragged_paged_attention_reference(batch.q, kq, vq, LAYER, *layout(batch),
+                                           sm_scale=sm_scale, k_scale=ks, v_scale=vs)
+    assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
+
+
+def test_bf16_queries_come_back_bf16():
+    batch = make_paged_batch(8, **MIXED, page_size=16, head_dim=64, num_kv_heads=2, group=2,
+                             num_seqs_pad=8, num_tokens_pad=40, dtype=jnp.bfloat16)
+    out = run(batch)
+    ref = ragged_paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, LAYER,
+                                           *layout(batch), sm_scale=0.125)
+    assert rel_err(out, ref, batch.num_tokens_real) < 1e-2  # the output is rounded to bf16
+
+
+def _small_batch():
+    return make_paged_batch(0, q_lens=[3, 1], kv_lens=[5, 9], page_size=8, head_dim=64,
+                            num_kv_heads=2, group=2, num_seqs_pad=2, num_tokens_pad=4)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda b: b._replace(q=b.q[0]), "q.shape"),
+    (lambda b: b._replace(q=b.q[:, :3]), "does not fit"),
+    (lambda b: b._replace(v_cache=b.v_cache[:, :-1]), "v_cache.shape"),
+    (lambda b: b._replace(k_cache=b.k_cache.astype(jnp.int32),
+                          v_cache=b.v_cache.astype(jnp.int32)), "k_cache.dtype"),
+    (lambda b: b._replace(md=b.md._replace(kv_lens=b.md.kv_lens.astype(jnp.float32))), "kv_lens"),
+    (lambda b: b._replace(md=b.md._replace(page_indices=b.md.page_indices[0])), "page_indices"),
+    (lambda b: b._replace(md=b.md._replace(cu_q_lens=b.md.cu_q_lens[:-1])), "cu_q_lens"),
+])
+def test_validation(change, match):
+    b = change(_small_batch())
+    with pytest.raises(ValueError, match=match):
+        ragged_paged_attention(b.q, b.k_cache, b.v_cache, 0, *layout(b), sm_scale=0.1)
+
+
+def test_int8_needs_scales_and_large_pages_are_refused():
+    b = _small_batch()
+    with pytest.raises(ValueError, match="k_scale"):
+        ragged_paged_attention(b.q, b.k_cache.astype(jnp.int8), b.v_cache.astype(jnp.int8), 0,
+                               *layout(b), sm_scale=0.1)
+    big = make_paged_batch(0, q_lens=[1], kv_lens=[3], page_size=128, head_dim=16,
+                           num_kv_heads=1, group=1)
+    with pytest.raises(NotImplementedError, match="page_size"):
+        ragged_paged_attention(big.q, big.k_cache, big.v_cache, 0, *layout(big), sm_scale=0.1)
+
+
+def test_binary_cache_key_follows_the_source(tmp_path, monkeypatch):
+    """Another source text or compiler output gives another binary (no stale kernel is loaded)."""
+    compiler = build._compiler()
+    assert compiler is not None
+    key = build._binary_key(b"int x;", compiler)
+    assert key == build._binary_key(b"int x;", compiler)
+    assert key != build._binary_key(b"int y;", compiler)
+    monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path))
+    assert build.cache_dir() == tmp_path / "cpu_kernels"
