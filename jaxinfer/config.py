@@ -231,7 +231,7 @@ class EngineConfig:
     quantize_lm_head: bool = False
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights of the model's shapes
     seed: int = 0  # seeds of requests that bring none
-    # Speculative decoding (jaxinfer/spec_decode.py; the policy in jaxinfer/sched/spec_policy.py)
+    # Speculative decoding (jaxinfer/runtime/spec_decode.py; the policy in jaxinfer/sched/spec_policy.py)
     speculative_method: Literal["ngram", "draft"] | None = None  # ngram: prompt lookup
     num_speculative_tokens: int = 4  # the most drafts verified per request per step
     ngram_min: int = 2  # n-gram prompt lookup tries n = ngram_max down to ngram_min

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.models.layers import rope_inv_freq
-from jaxinfer.models.loader import load_model, model_from_params, model_source
+from jaxinfer.models.loader import load_model, model_from_params
 from jaxinfer.ops.kv_cache import KVCache, allocate_kv_cache
 from tests.tiny_models import paged_batch, save_tiny_model, tiny_hf_config
 

@@ -2,7 +2,7 @@
 end, and 20 streams of which half are dropped (every page free afterwards, /health ok).
 
 Warm-up is off (`--no-warmup`: compiling every bucket takes minutes on a small CPU); the shapes
-these tests use compile on first use, into a compilation cache of this session.
+these tests use compile on first use, into a compilation cache shared by the test run.
 """
 
 from __future__ import annotations
