@@ -343,7 +343,8 @@ void RunAll(const Problem& p, const std::vector<WorkItem>& items, ffi::ThreadPoo
     }
   };
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t extra = std::min<int64_t>(threads, static_cast<int64_t>(items.size())) - 1;
+  const int64_t extra = std::max<int64_t>(
+      0, std::min<int64_t>(threads, static_cast<int64_t>(items.size())) - 1);
   std::mutex mu;
   std::condition_variable cv;
   int64_t pending = extra;

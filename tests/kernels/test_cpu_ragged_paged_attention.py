@@ -147,3 +147,13 @@ def test_binary_cache_key_follows_the_source(tmp_path, monkeypatch):
     assert key != build._binary_key(b"int y;", compiler)
     monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path))
     assert build.cache_dir() == tmp_path / "cpu_kernels"
+
+
+def test_all_padding_batch_returns_zeros():
+    """num_seqs = 0 (the engine's warm-up step): no work at all, zeros out, and no wait on
+    work that was never scheduled."""
+    b = make_paged_batch(1, q_lens=[2, 1], kv_lens=[5, 9], page_size=8, head_dim=64,
+                         num_kv_heads=2, group=2, num_seqs_pad=4, num_tokens_pad=8)
+    b = b._replace(md=b.md._replace(num_seqs=jnp.zeros((1,), jnp.int32)), num_tokens_real=0)
+    out = run(b)
+    assert (out == 0).all()

@@ -1,0 +1,142 @@
+"""Where a step's time goes: real engine steps profiled op by op, grouped by the model's named scopes.
+
+    python benchmarks/step_profile.py [--model smollm2-135m] [--attention-backend auto]
+                                      [--shapes 1x32,16x512,...] [--prefill 512] [--steps 5]
+
+For each decode shape SxC (S sequences whose contexts are C tokens) the engine is brought to that
+state (S prompts of C-1 tokens, prefilled, then decoding), and `--steps` decode steps run under
+`jax.profiler`; `--prefill N` adds one step that prefills an N-token chunk of a fresh prompt. Each
+XLA op the trace shows is attributed, through the executables' HLO metadata, to the named scope
+it came from (models/llama.py: qkv_proj, attention, kv_write, o_proj, gate_up_proj, down_proj,
+lm_head, norm, rope; anything else: sampling, embedding, glue). The table gives the wall time of
+a step and each group's share of the op time (ops on XLA's two threads may overlap, so shares are
+of the summed op time). Used for the breakdown tables in docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from jaxinfer.engine import LLMEngine  # noqa: E402
+from jaxinfer.sampling_params import SamplingParams  # noqa: E402
+
+GROUPS = {  # scope -> column
+    "qkv_proj": "matmuls", "o_proj": "matmuls", "gate_up_proj": "matmuls",
+    "down_proj": "matmuls", "attention": "attention", "kv_write": "kv write",
+    "lm_head": "lm head", "norm": "norm+rope", "rope": "norm+rope",
+}
+COLUMNS = ["matmuls", "attention", "kv write", "lm head", "norm+rope", "other"]
+_CONTAINERS = ("ThunkExecutor", "while", "cond", "end:", "SlinkyThreadPool", "call")
+
+
+def op_scopes(engine) -> dict[str, str]:
+    """HLO instruction name -> its op_name metadata, over every compiled step."""
+    names = {}
+    for compiled in engine.runner._executables.values():
+        for line in compiled.as_text().splitlines():
+            m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*metadata=\{op_name=\"([^\"]+)\"", line)
+            if m:
+                names.setdefault(m.group(1), m.group(2))
+    return names
+
+
+def group_of(op_name: str) -> str:
+    for scope, group in GROUPS.items():
+        if f"/{scope}/" in op_name + "/":
+            return group
+    return "other"
+
+
+def profile_steps(engine, num_steps: int) -> tuple[float, dict[str, float]]:
+    """(wall seconds per step, {group: op seconds per step}) over `num_steps` engine steps."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            t0 = time.perf_counter()
+            for _ in range(num_steps):
+                engine.step()
+            wall = (time.perf_counter() - t0) / num_steps
+        trace = json.load(gzip.open(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]))
+    events = trace["traceEvents"]
+    xla_threads = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+                   and "XLA" in e["args"]["name"] and "Client" not in e["args"]["name"]}
+    scopes = op_scopes(engine)
+    by_group = collections.Counter()
+    for e in events:
+        if e.get("ph") != "X" or e.get("tid") not in xla_threads or e["name"].startswith(_CONTAINERS):
+            continue
+        by_group[group_of(scopes.get(e["name"], ""))] += e["dur"] * 1e-6 / num_steps
+    return wall, dict(by_group)
+
+
+def decode_state(engine, num_seqs: int, context: int, tag: str) -> None:
+    """`num_seqs` requests whose contexts are `context` tokens, prefilled, about to decode."""
+    rng = np.random.default_rng(num_seqs * 7919 + context)
+    params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    for i in range(num_seqs):
+        engine.add_request(f"{tag}-{i}", rng.integers(100, 30_000, context - 1).tolist(), params)
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
+        engine.step()
+    engine.step()  # every sequence decodes from here
+
+
+def clear(engine) -> None:
+    for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+        engine.abort_request(r.request_id)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--shapes", default="1x32,1x512,16x32,16x512,64x32,64x512")
+    ap.add_argument("--prefill", type=int, default=512, help="0: no prefill row")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--dummy", action="store_true", help="random weights of MODEL's shapes")
+    args = ap.parse_args(argv)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
+    kwargs = dict(max_num_seqs=max([s for s, _ in shapes] + [1]),
+                  max_num_batched_tokens=max(512, args.prefill), max_model_len=2048,
+                  attention_backend=args.attention_backend, enable_prefix_caching=False)
+    if args.dummy:
+        kwargs.update(load_format="dummy", tokenizer=args.model)
+    engine = LLMEngine(args.model, **kwargs)
+    engine.warmup()
+    rows = []
+    for num_seqs, context in shapes:
+        decode_state(engine, num_seqs, context, f"d{num_seqs}x{context}")
+        rows.append((f"decode S={num_seqs} ctx={context}", num_seqs, *profile_steps(engine, args.steps)))
+        clear(engine)
+    if args.prefill:
+        rng = np.random.default_rng(0)
+        engine.add_request("prefill", rng.integers(100, 30_000, args.prefill + 1).tolist(),
+                           SamplingParams(max_tokens=1))
+        rows.append((f"prefill {args.prefill} tokens", args.prefill, *profile_steps(engine, 1)))
+        clear(engine)
+    print(f"\nStep profile: {args.model}, attention backend {engine.runner.attention_backend}, "
+          f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores")
+    print("| step | ms | tok/s | " + " | ".join(COLUMNS) + " |")
+    print("|---|---|---|" + "---|" * len(COLUMNS))
+    for label, tokens, wall, groups in rows:
+        total = sum(groups.values()) or 1.0
+        shares = " | ".join(f"{100 * groups.get(c, 0.0) / total:.0f}%" for c in COLUMNS)
+        print(f"| {label} | {wall * 1e3:.1f} | {tokens / wall:.0f} | {shares} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
