@@ -77,7 +77,7 @@ class LLMEngine:
                                    spec_policy=SpecPolicy.from_config(self.engine_config))
         self.outputs = OutputProcessor(self.tokenizer)
         self.buckets = StepBuckets.coarse(self.engine_config, self.max_model_len,
-                                          exact_verify=self.runner.attention_backend == "xla")
+                                          exact_verify=self.runner.attention_backend != "pallas")
         logger.info(
             "KV cache: %d pages of %d tokens = %d tokens (%.1f MiB)",
             self.num_pages - 1, self.engine_config.page_size,

@@ -1,8 +1,10 @@
 """Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over the paged KV cache, in Flax NNX.
 
-Decoder layers are created stacked (every param has a leading [num_layers] axis) and run under
-`jax.lax.scan` with the whole stacked KV cache in the carry; each layer writes its K/V at
-[layer, page, offset], which XLA does in place when the cache is donated (docs/architecture.md).
+Decoder layers are created stacked (every param has a leading [num_layers] axis: loaders,
+quantization and checkpoints see one array per weight) and run under `jax.lax.scan` with the
+whole stacked KV cache in the carry; each layer writes its K/V at [layer, page, offset], which XLA
+does in place when the cache is donated (docs/architecture.md). `unroll_layers()` gives each layer
+params of its own for a forward that runs them in sequence (faster on the CPU).
 Q/K/V are one fused projection (`qkv_proj`), gate/up another (`gate_up_proj`): fewer, larger
 matmuls. Every projection is a `layers.Linear`.
 """
@@ -115,11 +117,36 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
+    @property
+    def layers_unrolled(self) -> bool:
+        return isinstance(self.layers, nnx.List)
+
+    def unroll_layers(self) -> "LlamaForCausalLM":
+        """Gives every decoder layer params of its own (in place; returns the model): the forward
+        then runs the layers one after the other instead of under `lax.scan`. On the CPU this
+        is faster: a scan slices each layer's weights out of the stacked arrays, and XLA:CPU
+        copies every slice before its matmul, i.e. the whole model once per step. The cost is
+        compile time (one traced body per layer instead of one)."""
+        if self.layers_unrolled:
+            return self
+        graphdef, state = nnx.split(self.layers)
+        layers = []
+        for i in range(self.config.num_layers):
+            layers.append(nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state)))
+        del state  # the stacked arrays go when the last reference does
+        self.layers = nnx.List(layers)
+        return self
+
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                  md: AttentionMetadata, attention_backend: str = "xla"):
         # input_ids, positions: i32[T] -> hidden [T, hidden_size], kv_cache (updated)
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))
         hidden = self.embed_tokens(input_ids)
+        if self.layers_unrolled:
+            for i, decoder_layer in enumerate(self.layers):
+                hidden, kv_cache = decoder_layer(hidden, cos, sin, kv_cache, jnp.int32(i), md,
+                                                 attention_backend)
+            return self.norm(hidden), kv_cache
         layers_def, layers_state = nnx.split(self.layers)
 
         def one_layer(carry, layer_state):

@@ -49,6 +49,14 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
+def unrolled_layers_faster() -> bool:
+    """Whether a step should run the decoder layers unrolled (`LlamaForCausalLM.unroll_layers`):
+    on the CPU, where a layer scan copies every layer's weights out of the stacked arrays before
+    its matmuls, i.e. the whole model once per step. Elsewhere the scan stays (one traced body:
+    faster compiles)."""
+    return jax.default_backend() == "cpu"
+
+
 def _interpret() -> bool:
     """Pallas kernels run compiled on a GPU and in interpret mode everywhere else."""
     return jax.default_backend() != "gpu"
@@ -124,4 +132,4 @@ def quantized_matmul(x: jax.Array, qweight: QuantizedWeight, *, backend: str = "
 
 
 __all__ = ["BACKENDS", "AttentionMetadata", "KVCache", "quantized_matmul", "ragged_paged_attention",
-           "resolve_backend", "write_kv"]
+           "resolve_backend", "unrolled_layers_faster", "write_kv"]

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxinfer import ops
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.models.loader import load_model, model_source
 from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache, allocate_kv_cache
@@ -129,6 +130,8 @@ class DraftModel:
     @classmethod
     def create(cls, config: ModelConfig, module, engine_config: EngineConfig,
                num_pages: int) -> "DraftModel":
+        if ops.unrolled_layers_faster():
+            module.unroll_layers()
         graphdef, state = nnx.split(module)
         kv_dtype = engine_config.kv_cache_dtype or engine_config.dtype
         kv_cache = allocate_kv_cache(config, num_pages, engine_config.page_size, kv_dtype)

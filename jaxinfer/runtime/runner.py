@@ -38,6 +38,8 @@ class ModelRunner:
         self.num_pages = num_pages
         self.attention_backend = ops.resolve_backend(engine_config.attention_backend)
         self.flags = StepFlags(attention_backend=self.attention_backend)
+        if ops.unrolled_layers_faster():
+            model.unroll_layers()
         graphdef, self.state = nnx.split(model)
         self.draft = draft
         self._step = (make_jitted_step(graphdef) if draft is None
