@@ -14,6 +14,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from jaxinfer import disk_cache
+
 logger = logging.getLogger(__name__)
 
 # Tokens of the prompt's tail decoded with the first output tokens, so that a first output token
@@ -131,8 +133,6 @@ _FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
 def _gguf_tokenizer(gguf_path: str):
-    from jaxinfer import disk_cache
-
     folder, name = os.path.split(gguf_path)
     if not disk_cache.cache_enabled() or os.path.getsize(gguf_path) < _MIN_CACHED_GGUF_BYTES:
         return _load_gguf_tokenizer(folder, name)

@@ -8,18 +8,17 @@ import time
 import uuid
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from jaxinfer.request import RequestOutput
 from serve import responses as R
 from serve.body import parse_body
-from serve.disconnect import ClientGone
 from serve.errors import APIError
-from serve.jobs import Finals, Job, collect, plan_jobs, usage
+from serve.jobs import Finals, Job, plan_jobs, usage
 from serve.prompts import chat_prompt
 from serve.schemas import ChatCompletionRequest
 from serve.state import ServerState
-from serve.streaming import stream_response
+from serve.writer import ChoiceWriter, respond
 
 ENDPOINT = "chat"  # the metrics label
 
@@ -39,18 +38,8 @@ async def chat_completions(server: ServerState, request: Request) -> Response:
                          prompt_param="messages", max_tokens_param=_max_tokens_param(req))
     except APIError as e:
         return server.error(ENDPOINT, e)
-    writer = ChatWriter(server, req, request_id, jobs)
-    if req.stream:
-        return await stream_response(server, request, ENDPOINT, jobs, t0, writer)
-    try:
-        finals = await collect(request, engine, server.metrics, jobs, t0,
-                               {"max_tokens": _max_tokens_param(req)})
-    except ClientGone:
-        return server.gone(ENDPOINT)
-    except APIError as e:
-        return server.error(ENDPOINT, e)
-    server.ok(ENDPOINT)
-    return JSONResponse(writer.body(finals))
+    return await respond(server, request, ENDPOINT, jobs, t0, ChatWriter(server, req, request_id, jobs),
+                         {"max_tokens": _max_tokens_param(req)})
 
 
 def _max_tokens(req: ChatCompletionRequest) -> int | None:
@@ -62,23 +51,14 @@ def _max_tokens_param(req: ChatCompletionRequest) -> str:
     return "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
 
 
-class ChatWriter:
-    """The chunks (streaming) or the body of one chat request, from its jobs' cumulative outputs;
-    each choice's ChoiceState remembers what was sent."""
+class ChatWriter(ChoiceWriter):
+    """The chunks (streaming) or the body of one chat request."""
 
     def __init__(self, server: ServerState, req: ChatCompletionRequest, request_id: str,
                  jobs: list[Job]):
-        self.req = req
-        self.request_id = request_id
-        self.model_name = server.model_name
-        self.token_text = server.token_texts
-        self.created = int(time.time())
-        self.jobs = jobs
+        super().__init__(server, req, request_id, jobs,
+                         {j.index: R.ChoiceState(j.index, len(j.prompt.token_ids)) for j in jobs})
         self.num_top = req.top_logprobs or 0
-        self.states = {j.index: R.ChoiceState(j.index, len(j.prompt.token_ids)) for j in jobs}
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        self.include_usage = include_usage
-        self.chunk_usage = None if include_usage else ...  # `usage: null` in chunks, or no key
 
     # -- streaming (serve/streaming.py: ChunkWriter) ---------------------------------------------
     def opening(self) -> list[dict]:
@@ -96,11 +76,6 @@ class ChatWriter:
                   "logprobs": self._logprobs(new_lps),
                   "finish_reason": st.finish_reason if c.finish_reason else None}
         return [self._chunk([choice], self.chunk_usage)]
-
-    def closing(self, finals: Finals) -> list[dict]:
-        if not self.include_usage:
-            return []
-        return [self._chunk([], usage(self.jobs, self.states, finals))]
 
     # -- not streaming -------------------------------------------------------------------------
     def body(self, finals: Finals) -> dict:

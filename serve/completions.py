@@ -7,18 +7,17 @@ import time
 import uuid
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from jaxinfer.request import RequestOutput
 from serve import responses as R
 from serve.body import parse_body
-from serve.disconnect import ClientGone
 from serve.errors import APIError
-from serve.jobs import Finals, Job, collect, plan_jobs, usage
+from serve.jobs import Finals, Job, plan_jobs, usage
 from serve.prompts import completion_prompts
 from serve.schemas import CompletionRequest
 from serve.state import ServerState
-from serve.streaming import stream_response
+from serve.writer import ChoiceWriter, respond
 
 ENDPOINT = "completions"  # the metrics label
 
@@ -41,42 +40,23 @@ async def completions(server: ServerState, request: Request) -> Response:
                          prompt_logprobs=req.logprobs if req.echo else None)
     except APIError as e:
         return server.error(ENDPOINT, e)
-    writer = CompletionWriter(server, req, request_id, jobs)
-    if req.stream:
-        return await stream_response(server, request, ENDPOINT, jobs, t0, writer)
-    try:
-        finals = await collect(request, engine, server.metrics, jobs, t0)
-    except ClientGone:
-        return server.gone(ENDPOINT)
-    except APIError as e:
-        return server.error(ENDPOINT, e)
-    server.ok(ENDPOINT)
-    return JSONResponse(writer.body(finals))
+    return await respond(server, request, ENDPOINT, jobs, t0,
+                         CompletionWriter(server, req, request_id, jobs))
 
 
-class CompletionWriter:
-    """The chunks (streaming) or the body of one completions request, from its jobs' cumulative
-    outputs; each choice's ChoiceState remembers what was sent."""
+class CompletionWriter(ChoiceWriter):
+    """The chunks (streaming) or the body of one completions request (with `echo`, each choice
+    starts with its prompt)."""
 
     def __init__(self, server: ServerState, req: CompletionRequest, request_id: str,
                  jobs: list[Job]):
-        self.req = req
-        self.request_id = request_id
-        self.model_name = server.model_name
-        self.token_text = server.token_texts
-        self.created = int(time.time())
-        self.jobs = jobs
         decode = server.engine.tokenizer.decode
-        self.states = {j.index: R.ChoiceState(j.index, len(j.prompt.token_ids), prefix=(
-            (j.prompt.text if j.prompt.text is not None else decode(j.prompt.token_ids))
-            if req.echo else "")) for j in jobs}
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        self.include_usage = include_usage
-        self.chunk_usage = None if include_usage else ...  # `usage: null` in chunks, or no key
+        super().__init__(server, req, request_id, jobs, {
+            j.index: R.ChoiceState(j.index, len(j.prompt.token_ids), prefix=(
+                (j.prompt.text if j.prompt.text is not None else decode(j.prompt.token_ids))
+                if req.echo else "")) for j in jobs})
 
     # -- streaming (serve/streaming.py: ChunkWriter) ---------------------------------------------
-    def opening(self) -> list[dict]:
-        return []
 
     def chunks(self, job: Job, out: RequestOutput) -> list[dict]:
         st = self.states[job.index]
@@ -90,11 +70,6 @@ class CompletionWriter:
                   "logprobs": self._logprobs(job, out, st, new_lps),
                   "finish_reason": st.finish_reason if c.finish_reason is not None else None}
         return [self._chunk([choice], self.chunk_usage)]
-
-    def closing(self, finals: Finals) -> list[dict]:
-        if not self.include_usage:
-            return []
-        return [self._chunk([], usage(self.jobs, self.states, finals))]
 
     # -- not streaming -------------------------------------------------------------------------
     def body(self, finals: Finals) -> dict:
