@@ -40,17 +40,20 @@ GROUPS = {  # scope -> column
     "lm_head": "lm head", "norm": "norm+rope", "rope": "norm+rope",
 }
 COLUMNS = ["matmuls", "attention", "kv write", "lm head", "norm+rope", "other"]
-_CONTAINERS = ("ThunkExecutor", "while", "cond", "end:", "SlinkyThreadPool", "call")
+_CONTAINERS = ("ThunkExecutor", "while", "cond", "end:", "SlinkyThreadPool", "call", "$")
 
 
-def op_scopes(engine) -> dict[str, str]:
-    """HLO instruction name -> its op_name metadata, over every compiled step."""
+def op_scopes(compiled) -> dict[str, str]:
+    """HLO instruction name -> its op_name metadata (or, for ops XLA rewrote without metadata,
+    the scopes their operands' names carry, e.g. state__layers___3___mlp____gate_up_proj)."""
     names = {}
-    for compiled in engine.runner._executables.values():
-        for line in compiled.as_text().splitlines():
-            m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*metadata=\{op_name=\"([^\"]+)\"", line)
-            if m:
-                names.setdefault(m.group(1), m.group(2))
+    for line in compiled.as_text().splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*)", line)
+        if not m:
+            continue
+        meta = re.search(r"metadata=\{op_name=\"([^\"]+)\"", m.group(2))
+        names.setdefault(m.group(1), meta.group(1) if meta else
+                         "/" + "/".join(s for s in GROUPS if s in m.group(2)) + "/")
     return names
 
 
@@ -63,21 +66,35 @@ def group_of(op_name: str) -> str:
 
 def profile_steps(engine, num_steps: int) -> tuple[float, dict[str, float]]:
     """(wall seconds per step, {group: op seconds per step}) over `num_steps` engine steps."""
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            t0 = time.perf_counter()
-            for _ in range(num_steps):
-                engine.step()
-            wall = (time.perf_counter() - t0) / num_steps
-        trace = json.load(gzip.open(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]))
+    runner, layouts = engine.runner, []
+    execute = runner.execute
+
+    def recording(step_input):  # which compiled step runs: its buffer layout says
+        layouts.append(step_input.pack()[1])
+        return execute(step_input)
+
+    runner.execute = recording
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d):
+                t0 = time.perf_counter()
+                for _ in range(num_steps):
+                    engine.step()
+                wall = (time.perf_counter() - t0) / num_steps
+            trace = json.load(gzip.open(glob.glob(f"{d}/**/*.trace.json.gz",
+                                                  recursive=True)[0]))
+    finally:
+        del runner.execute  # back to the method
+    if len(set(layouts)) != 1:
+        raise RuntimeError(f"the profiled steps ran {len(set(layouts))} executables; expected 1")
     events = trace["traceEvents"]
     xla_threads = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
-                   and "XLA" in e["args"]["name"] and "Client" not in e["args"]["name"]}
-    scopes = op_scopes(engine)
+                   and "XLA" in e["args"]["name"]}  # the executor's thread and its pool
+    ops = [e for e in events if e.get("ph") == "X" and e.get("tid") in xla_threads
+           and not e["name"].startswith(_CONTAINERS)]
+    scopes = op_scopes(runner._executables[(layouts[0], runner.flags)])
     by_group = collections.Counter()
-    for e in events:
-        if e.get("ph") != "X" or e.get("tid") not in xla_threads or e["name"].startswith(_CONTAINERS):
-            continue
+    for e in ops:
         by_group[group_of(scopes.get(e["name"], ""))] += e["dur"] * 1e-6 / num_steps
     return wall, dict(by_group)
 
