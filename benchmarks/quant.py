@@ -54,7 +54,8 @@ class Row:
 
 
 ROWS = [
-    Row("float32", {}),
+    Row("float32", dict(quantization="none")),
+    Row("auto (the GGUF's Q4_1 body and Q8_0 head as stored)", dict(quantization="auto")),
     Row("int8", dict(quantization="int8")),
     Row("int8+head", dict(quantization="int8", quantize_lm_head=True)),
     Row("int4-g32 (Q4_1 as stored)", dict(quantization="int4")),

@@ -71,8 +71,8 @@ def _compile(source_path: Path, out: Path, compiler: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        cmd = [compiler, *CXX_FLAGS, f"-I{jax.ffi.include_dir()}", str(source_path), "-o",
-               str(tmp_out)]
+        cmd = [compiler, *CXX_FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{SOURCE_DIR}",
+               str(source_path), "-o", str(tmp_out)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-4000:]}")
@@ -90,14 +90,15 @@ def load(name: str, symbol: str) -> str | None:
         logger.warning("no C++ compiler found: the CPU kernel %s is off (XLA path instead)", name)
         return None
     source_path = SOURCE_DIR / f"{name}.cc"
-    source = source_path.read_bytes()
+    source = source_path.read_bytes() + b"".join(  # the shared headers shape the binary too
+        h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))
     lib_path = cache_dir() / f"{name}-{_binary_key(source, compiler)}.so"
     try:
         if not lib_path.is_file():
             logger.info("compiling the CPU kernel %s -> %s", name, lib_path)
             _compile(source_path, lib_path, compiler)
         lib = ctypes.cdll.LoadLibrary(str(lib_path))
-        target = f"jaxinfer_{name}"
+        target = f"{name}.{symbol}"
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                     platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:

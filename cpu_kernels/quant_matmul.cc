@@ -16,13 +16,11 @@
 // (a memory-bound product); many rows are faster through a dense matmul.
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__F16C__)
@@ -194,31 +192,6 @@ void RunItem(const Problem& p, int64_t c0, int64_t c1) {
   }
 }
 
-void RunAll(const Problem& p, ffi::ThreadPool& pool) {
-  const int64_t num_items = (p.n + kItemCols - 1) / kItemCols;
-  std::atomic<int64_t> next{0};
-  auto drain = [&]() {
-    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-      RunItem(p, i * kItemCols, std::min(p.n, (i + 1) * kItemCols));
-    }
-  };
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t extra = std::max<int64_t>(0, std::min(threads, num_items) - 1);
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t pending = extra;
-  for (int64_t t = 0; t < extra; ++t) {
-    pool.Schedule([&]() {
-      drain();
-      std::lock_guard<std::mutex> lock(mu);
-      if (--pending == 0) cv.notify_all();
-    });
-  }
-  drain();
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&]() { return pending == 0; });
-}
-
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
                            ffi::AnyBuffer scales, ffi::AnyBuffer mins, int64_t bits,
                            int64_t group_size, int64_t has_mins, ffi::ResultBuffer<ffi::F32> y) {
@@ -242,11 +215,79 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (p.n % kCols != 0) {
     return ffi::Error::InvalidArgument("the number of output columns must be a multiple of 32");
   }
-  RunAll(p, pool);
+  jaxinfer::ParallelFor(pool, (p.n + kItemCols - 1) / kItemCols, [&](int64_t i) {
+    RunItem(p, i * kItemCols, std::min(p.n, (i + 1) * kItemCols));
+  });
+  return ffi::Error::Success();
+}
+
+// W[K, N] as f32, for the many-row products a dense matmul does better: columns [c0, c1).
+void DequantizeColumns(const Problem& p, float* w, int64_t c0, int64_t c1) {
+  const int64_t gs = p.group_size, width = c1 - c0;
+  const size_t psize = p.f16_params ? 2 : 4;
+  const char* sc = static_cast<const char*>(p.scales);
+  const char* mn = static_cast<const char*>(p.mins);
+  std::vector<float> scale(width), minimum(width);
+  const int64_t num_groups = (p.k + gs - 1) / gs;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    load_params(sc + (g * p.n + c0) * psize, p.f16_params, width, scale.data());
+    if (p.mins != nullptr) load_params(mn + (g * p.n + c0) * psize, p.f16_params, width, minimum.data());
+    for (int64_t k = g * gs; k < std::min(p.k, (g + 1) * gs); ++k) {
+      float* out = w + k * p.n + c0;
+      if (p.bits == 8) {
+        const int8_t* q = static_cast<const int8_t*>(p.values) + k * p.n + c0;
+#pragma omp simd
+        for (int64_t j = 0; j < width; ++j) out[j] = static_cast<float>(q[j]) * scale[j];
+      } else {
+        const int64_t kh = (p.k + 1) / 2;
+        const uint8_t* q = static_cast<const uint8_t*>(p.values) + (k % kh) * p.n + c0;
+        const int shift = k < kh ? 0 : 4;
+        if (p.mins != nullptr) {
+#pragma omp simd
+          for (int64_t j = 0; j < width; ++j)
+            out[j] = static_cast<float>((q[j] >> shift) & 15) * scale[j] + minimum[j];
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j < width; ++j)
+            out[j] = static_cast<float>(((q[j] >> shift) & 15) - 8) * scale[j];
+        }
+      }
+    }
+  }
+}
+
+ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer values, ffi::AnyBuffer scales,
+                          ffi::AnyBuffer mins, int64_t bits, int64_t group_size, int64_t has_mins,
+                          int64_t k, ffi::ResultBuffer<ffi::F32> w) {
+  Problem p{};
+  p.values = values.untyped_data();
+  p.scales = scales.untyped_data();
+  p.mins = has_mins ? mins.untyped_data() : nullptr;
+  p.f16_params = scales.element_type() == ffi::DataType::F16;
+  p.bits = static_cast<int>(bits);
+  p.k = k;
+  p.n = values.dimensions()[1];
+  p.group_size = group_size;
+  float* out = w->typed_data();
+  jaxinfer::ParallelFor(pool, (p.n + kItemCols - 1) / kItemCols, [&](int64_t i) {
+    DequantizeColumns(p, out, i * kItemCols, std::min(p.n, (i + 1) * kItemCols));
+  });
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferDequantize, DequantizeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // values
+                                  .Arg<ffi::AnyBuffer>()  // scales
+                                  .Arg<ffi::AnyBuffer>()  // mins (or a dummy)
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("has_mins")
+                                  .Attr<int64_t>("k")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantMatmul, QuantMatmulImpl,
                               ffi::Ffi::Bind()

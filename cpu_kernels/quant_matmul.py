@@ -69,3 +69,16 @@ def quant_matmul(
              bits=np.int64(bits), group_size=np.int64(group_size),
              has_mins=np.int64(mins is not None))
     return y.astype(x.dtype)
+
+
+def dequantize(values: jax.Array, scales: jax.Array, mins: jax.Array | None = None, *, bits: int,
+               group_size: int, k: int) -> jax.Array:  # f32[K, N]
+    """The weight as f32 (for products of many rows, which a dense matmul does faster), read
+    at memory speed. NotImplementedError when the kernel is not available."""
+    target = build.load("quant_matmul", "JaxinferDequantize")
+    if target is None:
+        raise NotImplementedError("the CPU dequantize kernel is not available here")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((k, values.shape[1]), jnp.float32))
+    return call(values, scales, mins if mins is not None else jnp.zeros((1,), scales.dtype),
+                bits=np.int64(bits), group_size=np.int64(group_size),
+                has_mins=np.int64(mins is not None), k=np.int64(k))

@@ -19,14 +19,12 @@
 // widened to f32 as they are read. Padding tokens (past cu_q_lens[num_seqs]) get zeros.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -332,34 +330,6 @@ void RunItem(const Problem& p, const WorkItem& w, PageBlockFn block, std::vector
   }
 }
 
-// Runs every item, on the calling thread and up to `extra` pool tasks.
-void RunAll(const Problem& p, const std::vector<WorkItem>& items, ffi::ThreadPool& pool) {
-  std::atomic<size_t> next{0};
-  const PageBlockFn block = ChoosePageBlock(p.page_size, p.head_dim);
-  auto drain = [&]() {
-    std::vector<float> scratch;
-    for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1)) {
-      RunItem(p, items[i], block, scratch);
-    }
-  };
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t extra = std::max<int64_t>(
-      0, std::min<int64_t>(threads, static_cast<int64_t>(items.size())) - 1);
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t pending = extra;
-  for (int64_t t = 0; t < extra; ++t) {
-    pool.Schedule([&]() {
-      drain();
-      std::lock_guard<std::mutex> lock(mu);
-      if (--pending == 0) cv.notify_all();
-    });
-  }
-  drain();
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&]() { return pending == 0; });
-}
-
 ffi::Error RaggedPagedAttentionImpl(
     ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
     ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer,
@@ -413,7 +383,11 @@ ffi::Error RaggedPagedAttentionImpl(
   const int32_t real_tokens = real > 0 ? p.cu_q_lens[real] : 0;
   const int64_t row = num_q_heads * head_dim;
   std::fill(p.out + static_cast<int64_t>(real_tokens) * row, p.out + num_tokens * row, 0.0f);
-  RunAll(p, items, pool);
+  const PageBlockFn block = ChoosePageBlock(p.page_size, p.head_dim);
+  jaxinfer::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+    thread_local std::vector<float> scratch;
+    RunItem(p, items[i], block, scratch);
+  });
   return ffi::Error::Success();
 }
 

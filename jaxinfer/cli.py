@@ -62,7 +62,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    if args.quantization is None:
+    if args.quantization not in ("int8", "int4"):
         raise ValueError("quantize needs --quantization int8 or int4")
     t0 = time.perf_counter()
     out = quantize_checkpoint(args.model, args.out, EngineConfig(**engine_kwargs(args)))

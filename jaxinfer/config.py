@@ -225,7 +225,10 @@ class EngineConfig:
     scheduling: Literal["continuous", "static"] = "continuous"  # batching
     # fcfs, or priority (a lower `priority` runs first and may preempt)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    quantization: Quantization | None = None  # weight quantization
+    # weights: auto keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors as stored where the CPU kernels
+    # run them (the file's exact weights, a quarter of the bytes; otherwise as none); none: every
+    # weight in dtype; int8/int4: quantized (a GGUF tensor of that kind kept as stored)
+    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     quant_group_size: Literal[32, 64, 128] = 32  # int4: rows of K per scale
     # also quantize the LM head / tied embeddings (int8, or int4 with GPTQ)
     quantize_lm_head: bool = False
@@ -237,7 +240,7 @@ class EngineConfig:
     ngram_min: int = 2  # n-gram prompt lookup tries n = ngram_max down to ngram_min
     ngram_max: int = 4  # see ngram_min
     draft_model: str | None = None  # speculative_method draft: a model sharing the tokenizer
-    draft_quantization: Quantization | None = None  # weights of the draft model
+    draft_quantization: Quantization | None = None  # weights of the draft model (default: auto)
     # decode + draft tokens one step may verify (default: measured at warm-up: the largest step
     # whose time stays within 1.5x a one-token step)
     spec_max_batched_tokens: int | None = None

@@ -10,6 +10,7 @@ import pytest
 
 from jaxinfer import quant
 from jaxinfer.quant import xla as quant_xla
+from jaxinfer.config import EngineConfig
 from jaxinfer.models import calibration, quantize
 
 gguf = pytest.importorskip("gguf")
@@ -440,7 +441,8 @@ def float_logits(tiny_model_dirs):
 
     def get(name):
         if name not in cache:
-            cache[name] = _logits(load_model(tiny_model_dirs[name])[1], TOKENS)
+            cache[name] = _logits(load_model(tiny_model_dirs[name],
+                                             EngineConfig(quantization="none"))[1], TOKENS)
         return cache[name]
 
     return get
@@ -499,7 +501,7 @@ def test_gguf_tensors_load_as_stored(tiny_model_dirs, tensor_type, method):
     from jaxinfer.models.loader import load_model
 
     path = tiny_model_dirs[f"llama-{tensor_type}"]
-    _, float_model = load_model(path)
+    _, float_model = load_model(path, EngineConfig(quantization="none"))
     # the LM head is quantized as int8 (by default): as stored only from Q8_0
     head = tensor_type == "Q8_0"
     _, q_model = load_model(path, EngineConfig(quantization=method, quantize_lm_head=head))

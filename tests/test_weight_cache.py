@@ -120,11 +120,22 @@ def test_no_cache_env_writes_nothing(tiny_gguf, cache_dir, monkeypatch):
     assert not cache_dir.exists()
 
 
-def test_quantized_loads_bypass_the_cache(tiny_gguf, cache_dir):
+def test_quantized_loads_take_the_blocks_from_the_file_and_the_rest_from_the_cache(
+        tiny_gguf, cache_dir):
+    """A load that keeps the GGUF's Q4_1 tensors as stored builds the model from the cached
+    float weights (a hit skips dequantizing the file) and still takes every quantized tensor
+    from the file's own blocks: a cold and a warm load are the same model, exactly the file's."""
+    from jaxinfer import quant
     from jaxinfer.config import EngineConfig
 
-    load_model(tiny_gguf, EngineConfig(quantization="int8"))  # reads the GGUF's blocks itself
-    assert not cache_dir.exists()
+    _, cold = load_model(tiny_gguf, EngineConfig(quantization="int4"))
+    assert len(entries(cache_dir)) == 1
+    _, warm = load_model(tiny_gguf, EngineConfig(quantization="int4"))
+    assert_same_tree(pure(cold), pure(warm))
+    _, floats = load_model(tiny_gguf, EngineConfig(quantization="none"))
+    np.testing.assert_array_equal(  # the as-stored blocks dequantize to the float load's weights
+        np.asarray(quant.dequantize(warm.layers.mlp.down_proj.qweight)),
+        np.asarray(floats.layers.mlp.down_proj.weight[...]))
 
 
 def test_round_trip_of_config_and_params_incl_bfloat16(tiny_gguf, tmp_path):

@@ -157,18 +157,26 @@ def load_model(path_or_name: str | os.PathLike,
     dtype = jnp.dtype(engine_config.dtype)
     if engine_config.load_format == "dummy":
         config = load_model_config(path_or_name)
-        return config, _quantized(init_dummy_model(config, dtype, engine_config.seed), engine_config)
+        model = init_dummy_model(config, dtype, engine_config.seed)
+        return config, _quantized(model, engine_config)
     if quant_checkpoint.is_quantized_checkpoint(path_or_name):  # `jaxinfer quantize` output
         config, model = quant_checkpoint.load_quantized(path_or_name)
         return config, set_quantized_matmul_backend(model, engine_config.attention_backend)
     source = model_source(path_or_name)
-    if (source.is_gguf and engine_config.quantization is None and disk_cache.cache_enabled()
+    qconfig = QuantConfig.from_engine_config(engine_config, gguf=source.is_gguf)
+    if (source.is_gguf and disk_cache.cache_enabled()
             and os.path.getsize(source.file) >= weight_cache.MIN_SOURCE_BYTES):
-        config, params = _cached_gguf_params(source, dtype)  # quantized loads read GGUF blocks
-        return config, model_from_params(config, params, dtype)
+        config, params = _cached_gguf_params(source, dtype)
+        model = model_from_params(config, params, dtype)
+        if qconfig is None:
+            return config, model
+        _, tensors = _open_source(source)  # quantized tensors are read from the file's blocks
+        return config, quantize_model(model, qconfig, tensors)
     config, tensors = _open_source(source)
     model = model_from_params(config, params_from_hf(config, tensors, dtype), dtype)
-    return config, _quantized(model, engine_config, tensors if source.is_gguf else None)
+    if qconfig is None:
+        return config, model
+    return config, quantize_model(model, qconfig, tensors if source.is_gguf else None)
 
 
 def _open_source(source: ModelSource):
@@ -198,17 +206,17 @@ def _cached_gguf_params(source: ModelSource, dtype) -> tuple[ModelConfig, dict]:
     return config, params
 
 
-def _quantized(model: LlamaForCausalLM, engine_config: EngineConfig, gguf_tensors=None):
-    """engine_config.quantization: swap Linear for QuantizedLinear (GGUF Q8_0/Q4_0/Q4_1 as stored)."""
-    qconfig = QuantConfig.from_engine_config(engine_config)
-    return model if qconfig is None else quantize_model(model, qconfig, gguf_tensors)
+def _quantized(model: LlamaForCausalLM, engine_config: EngineConfig):
+    """A random-weight model quantized as engine_config asks (no file: "auto" is "none")."""
+    qconfig = QuantConfig.from_engine_config(engine_config, gguf=False)
+    return model if qconfig is None else quantize_model(model, qconfig)
 
 
 def quantize_checkpoint(model: str, out_dir: str | os.PathLike,
                         engine_config: EngineConfig) -> str:
     """`jaxinfer quantize MODEL --quantization int4 --out DIR`: load (quantizing on load, GGUF
     Q4_0/Q4_1/Q8_0 as stored) and save."""
-    if engine_config.quantization is None:
+    if engine_config.quantization not in ("int8", "int4"):
         raise ValueError("quantize needs quantization='int8' or 'int4'")
     _, q_model = load_model(model, engine_config)
     return save_quantized(q_model, out_dir, source=model_source(model))

@@ -18,7 +18,8 @@ from jaxinfer.quant import (INT4_GROUP_SIZES, QuantizedWeight, concat_output_cha
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-    """method: int8 (per output channel) | int4 (group-wise along K, packed).
+    """method: int8 (per output channel) | int4 (group-wise along K, packed) | stored (a GGUF
+    file's Q8_0 / Q4_0 / Q4_1 tensors kept exactly as stored, every other weight left in float).
 
     int4 re-quantization is asymmetric (Q4_1 style: scale and minimum per group) unless
     symmetric=True (Q4_0 style); with search (the default) each group's parameters are chosen by
@@ -45,8 +46,8 @@ class QuantConfig:
     matmul_backend: str = "auto"  # QuantizedLinear / QuantizedEmbed: see ops.quantized_matmul
 
     def __post_init__(self):
-        if self.method not in ("int8", "int4"):
-            raise ValueError(f"method={self.method!r} must be int8 or int4")
+        if self.method not in ("int8", "int4", "stored"):
+            raise ValueError(f"method={self.method!r} must be int8, int4 or stored")
         if self.lm_head_method not in (None, "int8", "int4"):
             raise ValueError(f"lm_head_method={self.lm_head_method!r} must be None, int8 or int4")
         if self.method == "int4" and self.group_size not in INT4_GROUP_SIZES:
@@ -57,25 +58,36 @@ class QuantConfig:
             raise ValueError(f"matmul_backend={self.matmul_backend!r} must be one of {ops.BACKENDS}")
 
     @classmethod
-    def from_engine_config(cls, ec) -> "QuantConfig | None":
-        """The engine's quantization fields; the quantized matmul follows attention_backend
-        (pallas kernels on the GPU, XLA elsewhere, unless forced)."""
-        if ec.quantization is None:
+    def from_engine_config(cls, ec, *, gguf: bool) -> "QuantConfig | None":
+        """The engine's quantization fields for a model from a GGUF file (`gguf`) or not; the
+        quantized matmul follows attention_backend. "auto" keeps a GGUF file's quantized tensors
+        as stored where the CPU kernels run them, and is "none" otherwise."""
+        method = ec.quantization
+        if method == "auto":
+            method = "stored" if gguf and ops.resolve_backend(ec.attention_backend) == "cpu" \
+                else "none"
+        if method == "none":
             return None
-        return cls(ec.quantization, group_size=ec.quant_group_size,
-                   quantize_lm_head=ec.quantize_lm_head, matmul_backend=ec.attention_backend)
+        return cls(method, group_size=ec.quant_group_size,
+                   quantize_lm_head=ec.quantize_lm_head or method == "stored",
+                   matmul_backend=ec.attention_backend)
 
     @property
     def head_method(self) -> str:
         return self.lm_head_method or self.method
 
-    def quantize(self, w) -> QuantizedWeight:
+    def quantize(self, w) -> QuantizedWeight | None:
+        """A float weight quantized under this config; None for "stored" (it stays float)."""
         if self.method == "int8":
             return quantize_int8(w)
-        return quantize_int4(w, self.group_size, self.symmetric, search=self.search)
+        if self.method == "int4":
+            return quantize_int4(w, self.group_size, self.symmetric, search=self.search)
+        return None
 
     def accepts_gguf(self, type_name: str) -> bool:
         """A GGUF tensor type loaded as it is (no float round trip) under this config."""
+        if self.method == "stored":
+            return type_name in ("Q8_0", "Q4_0", "Q4_1")
         if type_name == "Q8_0":
             return self.method == "int8"  # int8, group-wise (32) rather than per channel
         return type_name in ("Q4_0", "Q4_1") and self.method == "int4" and self.group_size == 32
@@ -152,8 +164,9 @@ def quantize_model(model, qconfig: QuantConfig, gguf_tensors=None, *,
                 qw = _gguf_linear(gguf_tensors, names, qconfig)
             if qw is None:
                 qw = qconfig.quantize(module.weight[...])
-            setattr(parent, path[-1], QuantizedLinear(qw, module.bias, dtype=module.dtype,
-                                                      backend=backend))
+            if qw is not None:  # None: "stored" and not quantized in the file: stays float
+                setattr(parent, path[-1], QuantizedLinear(qw, module.bias, dtype=module.dtype,
+                                                          backend=backend))
     if head is None or not qconfig.quantize_lm_head:
         return model
     parent, name, module = head
@@ -172,6 +185,8 @@ def quantize_model(model, qconfig: QuantConfig, gguf_tensors=None, *,
             qw = gptq_int4(w, hessian, qconfig.group_size, qconfig.symmetric)
         else:
             qw = head_config.quantize(w)
+    if qw is None:
+        return model
     if tied:
         setattr(parent, name, QuantizedEmbed(qw, dtype=module.dtype, backend=backend))
     else:

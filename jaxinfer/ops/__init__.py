@@ -20,12 +20,14 @@ import typing
 import warnings
 
 import jax
+import jax.numpy as jnp
 
 from jaxinfer.config import Backend
 from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache
 from jaxinfer.ops.xla_attention import ragged_paged_attention_xla
 from jaxinfer.quant import QuantizedWeight
 from jaxinfer.quant import quantized_matmul as quantized_matmul_xla
+from cpu_kernels import quant_matmul as cpu_quant
 from cpu_kernels import ragged_paged_attention as cpu_attention
 from pallas_kernels.kv_write import write_kv as write_kv_pallas
 from pallas_kernels.kv_write import write_kv_reference as write_kv_xla
@@ -34,6 +36,10 @@ from pallas_kernels.ragged_paged_attention import \
     ragged_paged_attention as ragged_paged_attention_pallas
 
 BACKENDS: tuple[str, ...] = typing.get_args(Backend)
+# Up to this many rows of x, a quantized matmul on the "cpu" backend reads the packed weight in
+# the kernel (memory-bound decode steps); above, it dequantizes to f32 and takes XLA's dense
+# matmul (compute-bound prefill). Measured in docs/performance.md.
+CPU_QUANT_KERNEL_MAX_ROWS = 64
 
 
 def resolve_backend(backend: str) -> str:
@@ -117,12 +123,28 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
 
 def quantized_matmul(x: jax.Array, qweight: QuantizedWeight, *, backend: str = "auto") -> jax.Array:
     """x: [..., K] @ a QuantizedWeight [K, N] (int8 / int4, one matrix) -> [..., N] in x.dtype.
-    The Pallas kernel takes one matrix and a matching K; a layout it does not handle (e.g. int4
-    g128 with K/2 not a multiple of 128) runs on the XLA path (dequantize inside the jit)."""
+    "pallas": the Pallas kernel; "cpu": the C++ kernel for a few rows, else the weight
+    dequantized by the C++ kernel and XLA's matmul; "xla": dequantized inside the jit. A layout a
+    kernel does not take (e.g. int4 g128 with K/2 not a multiple of 128) runs on the XLA path."""
     k, n = qweight.shape
-    if resolve_backend(backend) == "pallas" and qweight.values.ndim == 2 and x.shape[-1] == k:
+    backend = resolve_backend(backend)
+    rows = x.reshape(-1, k) if x.shape[-1] == k else None  # [M, K]
+    if backend == "cpu" and qweight.values.ndim == 2 and rows is not None:
+        q = qweight
         try:
-            y = quant_matmul_pallas(x.reshape(-1, k), qweight.values, qweight.scales, qweight.mins,
+            if rows.shape[0] <= CPU_QUANT_KERNEL_MAX_ROWS:
+                y = cpu_quant.quant_matmul(rows, q.values, q.scales, q.mins, bits=q.bits,
+                                           group_size=q.group_size)
+            else:
+                w = cpu_quant.dequantize(q.values, q.scales, q.mins, bits=q.bits,
+                                         group_size=q.group_size, k=k)  # f32[K, N]
+                y = jnp.dot(rows, w.astype(rows.dtype))
+            return y.reshape(*x.shape[:-1], n)
+        except NotImplementedError as e:
+            _fall_back("quant_matmul (cpu)", e)
+    if backend == "pallas" and qweight.values.ndim == 2 and rows is not None:
+        try:
+            y = quant_matmul_pallas(rows, qweight.values, qweight.scales, qweight.mins,
                                     bits=qweight.bits, group_size=qweight.group_size,
                                     interpret=_interpret())  # [M, N]
             return y.reshape(*x.shape[:-1], n)

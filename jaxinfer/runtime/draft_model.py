@@ -145,7 +145,7 @@ def load_draft_model(engine_config: EngineConfig, target_config: ModelConfig, ta
     """(ModelConfig, module) of `engine_config.draft_model`, checked against the target.
     `target_vocab`: the target tokenizer's token -> id dict (None: not checked)."""
     path = engine_config.draft_model
-    draft_ec = dataclasses.replace(engine_config, quantization=engine_config.draft_quantization,
+    draft_ec = dataclasses.replace(engine_config, quantization=engine_config.draft_quantization or "auto",
                                    speculative_method=None, draft_model=None)
     config, module = load_model(path, draft_ec)
     draft_vocab = None

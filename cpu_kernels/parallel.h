@@ -1,0 +1,57 @@
+// Work items spread over XLA's intra-op thread pool, shared by the CPU kernels.
+#ifndef JAXINFER_CPU_KERNELS_PARALLEL_H_
+#define JAXINFER_CPU_KERNELS_PARALLEL_H_
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <type_traits>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxinfer {
+
+// Calls fn(i) for every i in [0, num_items), on the calling thread and on up to (pool threads
+// - 1) helper tasks scheduled on the pool, which take items from a shared counter. The caller
+// never waits for a helper that has not started: XLA may run two custom calls at once, each on
+// a pool thread, and if each waited for a task queued behind the other neither would finish. So
+// the caller drains the items itself and then waits only for helpers that claimed one; a helper
+// that starts later finds no item and leaves without touching `fn` (the state it reads is
+// shared, owned by every task).
+template <class Fn>
+void ParallelFor(xla::ffi::ThreadPool& pool, int64_t num_items, Fn&& fn) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> active{0};  // helpers inside the drain loop
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto state = std::make_shared<State>();
+  using FnType = std::remove_reference_t<Fn>;
+  FnType* fn_ptr = &fn;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t helpers = std::max<int64_t>(0, std::min(threads, num_items) - 1);
+  for (int64_t t = 0; t < helpers; ++t) {
+    pool.Schedule([state, fn_ptr, num_items]() {
+      state->active.fetch_add(1);
+      for (int64_t i = state->next.fetch_add(1); i < num_items; i = state->next.fetch_add(1)) {
+        (*fn_ptr)(i);
+      }
+      if (state->active.fetch_sub(1) == 1) {
+        std::lock_guard<std::mutex> lock(state->mu);
+        state->cv.notify_all();
+      }
+    });
+  }
+  for (int64_t i = state->next.fetch_add(1); i < num_items; i = state->next.fetch_add(1)) fn(i);
+  // Every item is claimed; wait for the helpers still working on one.
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&]() { return state->active.load() == 0; });
+}
+
+}  // namespace jaxinfer
+
+#endif  // JAXINFER_CPU_KERNELS_PARALLEL_H_

@@ -1,0 +1,110 @@
+"""The CPU quantized matmul kernel (C++, XLA FFI) against the plain-jnp reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cpu_kernels.quant_matmul import available, dequantize, quant_matmul
+from jaxinfer import quant
+from pallas_kernels.quant_matmul import quant_matmul_reference
+
+TOL = 2e-6  # relative: f32 accumulation in another order than the reference's
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built():
+    assert available(), "the CPU kernel did not build (is a C++ compiler installed?)"
+
+
+def _weight(k, n, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((k, n)) * 0.05, jnp.float32)
+
+
+def _check(qw, m, dtype=jnp.float32):
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, qw.shape[0])), dtype)
+    y = jax.jit(lambda x, v, s, mi: quant_matmul(x, v, s, mi, bits=qw.bits,
+                                                 group_size=qw.group_size))(
+        x, qw.values, qw.scales, qw.mins)
+    ref = quant_matmul_reference(x.astype(jnp.float32), qw.values, qw.scales, qw.mins,
+                                 bits=qw.bits, group_size=qw.group_size)
+    assert y.shape == (m, qw.shape[1]) and y.dtype == dtype
+    err = float(jnp.abs(y.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
+    return err
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 9])
+@pytest.mark.parametrize("kind", ["int8 g32", "int8 channel", "int4 asym g32", "int4 sym g32",
+                                  "int4 asym g64 f32 scales"])
+def test_matches_reference(kind, m):
+    w = _weight(576, 320)
+    qw = {"int8 g32": lambda: quant.quantize_int8(w, 32),
+          "int8 channel": lambda: quant.quantize_int8(w),
+          "int4 asym g32": lambda: quant.quantize_int4(w, 32, symmetric=False),
+          "int4 sym g32": lambda: quant.quantize_int4(w, 32, symmetric=True),
+          "int4 asym g64 f32 scales": lambda: quant.quantize_int4(  # K/2 = 320: 5 groups of 64
+              _weight(640, 320), 64, symmetric=False, scale_dtype=jnp.float32)}[kind]()
+    assert _check(qw, m) < TOL
+
+
+def test_gguf_blocks_as_stored_and_bf16_activations():
+    """A Q4_1 tensor imported as stored (f16 scales and minimums), and bf16 activations in."""
+    k, n = 64, 96
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 256, (n, k // 32 * 20), dtype=np.uint8)
+    blocks[:, 0::20], blocks[:, 1::20] = 0x00, 0x24  # f16 scales ~0.016
+    blocks[:, 2::20], blocks[:, 3::20] = 0x00, 0xa4  # f16 minimums ~-0.016
+    qw = quant.from_gguf(blocks, "Q4_1", (n, k))
+    assert _check(qw, 2) < TOL
+    assert _check(quant.quantize_int8(_weight(64, 96), 32), 2, jnp.bfloat16) < 1e-2
+
+
+def test_layouts_it_does_not_take_raise_not_implemented():
+    w = _weight(576, 100)
+    q8 = quant.quantize_int8(w, 32)
+    x = jnp.ones((1, 576), jnp.float32)
+    with pytest.raises(NotImplementedError, match="multiple of 32"):
+        quant_matmul(x, q8.values, q8.scales, bits=8, group_size=32)
+    q4 = quant.quantize_int4(_weight(576, 64), 128, symmetric=False)  # K/2 = 288: not 128s
+    with pytest.raises(NotImplementedError, match="group size"):
+        quant_matmul(x, q4.values, q4.scales, q4.mins, bits=4, group_size=128)
+
+
+def test_validation():
+    q8 = quant.quantize_int8(_weight(64, 32), 32)
+    with pytest.raises(ValueError, match="bits"):
+        quant_matmul(jnp.ones((1, 64)), q8.values, q8.scales, bits=2, group_size=32)
+    with pytest.raises(ValueError, match="does not fit"):
+        quant_matmul(jnp.ones((1, 32)), q8.values, q8.scales, bits=8, group_size=32)
+    with pytest.raises(ValueError, match="scales"):
+        quant_matmul(jnp.ones((1, 64)), q8.values, q8.scales[:1], bits=8, group_size=32)
+
+
+@pytest.mark.parametrize("kind", ["int8 g32", "int8 channel", "int4 asym g32", "int4 sym g32"])
+def test_dequantize_is_exact(kind):
+    """The kernel's f32 weight equals quant.dequantize bit for bit (the many-row path)."""
+    w = _weight(576, 320, seed=5)
+    qw = {"int8 g32": lambda: quant.quantize_int8(w, 32), "int8 channel": lambda: quant.quantize_int8(w),
+          "int4 asym g32": lambda: quant.quantize_int4(w, 32, symmetric=False),
+          "int4 sym g32": lambda: quant.quantize_int4(w, 32, symmetric=True)}[kind]()
+    out = dequantize(qw.values, qw.scales, qw.mins, bits=qw.bits, group_size=qw.group_size, k=576)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(quant.dequantize(qw)))
+
+
+def test_independent_calls_in_one_step_do_not_wait_on_each_other():
+    """XLA may run two independent custom calls at the same time, one per pool thread; each
+    spreads its work over the pool and must not wait for a helper queued behind the other."""
+    qws = [quant.quantize_int8(_weight(576, 4096, seed=s), 32) for s in range(4)]
+    x = jnp.ones((2, 576), jnp.float32)
+
+    @jax.jit
+    def four(x, a, b, c, d):
+        return [quant_matmul(x, q.values, q.scales, bits=8, group_size=32) for q in (a, b, c, d)]
+
+    for _ in range(20):
+        outs = jax.block_until_ready(four(x, *qws))
+    for out, qw in zip(outs, qws):
+        ref = quant_matmul_reference(x, qw.values, qw.scales, bits=8, group_size=32)
+        assert float(jnp.abs(out - ref).max() / jnp.abs(ref).max()) < TOL
