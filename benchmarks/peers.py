@@ -11,9 +11,11 @@ gets the same requests, on the same model file, in the same run (this machine's 
 numbers between runs, so only ratios within one run mean much).
 
 Workload (seeded, generated here): N requests whose prompts are slices of real English text
-(a few paragraphs repeated), tokenized with the model's own tokenizer and cut to exact lengths
-drawn uniformly from [--min-prompt, --max-prompt] (default 50-700 tokens); output lengths from an
-exponential of mean --mean-out (100) capped at --cap-out (384), at least 1. Greedy, and every
+(a few paragraphs repeated), tokenized with the model's own tokenizer and cut to exact lengths in
+[--min-prompt, --max-prompt] (default 50-700 tokens): --min-prompt plus an exponential of mean
+--mean-prompt-extra (106), capped, so that 64 requests hold ~10k prompt tokens, most prompts short
+and a few long (`--prompt-dist uniform` draws them uniformly instead, ~24k tokens); output
+lengths from an exponential of mean --mean-out (100) capped at --cap-out (384), at least 1. Greedy, and every
 request generates exactly its length (EOS ignored): output tokens are the same work everywhere.
 
 - jaxinfer: `LLM(model, **engine_kwargs).generate(token_ids, [SamplingParams(max_tokens=n,
@@ -137,14 +139,19 @@ class Result:
 
 # -- the workload ----------------------------------------------------------------------------------
 def make_workload(tokenizer: Tokenizer, num_requests: int, seed: int, *, min_prompt: int,
-                  max_prompt: int, mean_out: float, cap_out: int) -> Workload:
+                  max_prompt: int, mean_out: float, cap_out: int, prompt_dist: str = "exp",
+                  mean_prompt_extra: float = 106.0) -> Workload:
     """Prompts are windows into the repeated TEXT at random offsets, so each one reads as English
     and none shares a prefix with another (beyond chance)."""
     rng = np.random.default_rng(seed)
     text_ids = tokenizer.encode(TEXT, add_special_tokens=False)
     repeats = math.ceil(2 * max_prompt / len(text_ids)) + 1
     stream = text_ids * repeats
-    prompt_lens = rng.integers(min_prompt, max_prompt + 1, size=num_requests)
+    if prompt_dist == "uniform":
+        prompt_lens = rng.integers(min_prompt, max_prompt + 1, size=num_requests)
+    else:
+        extra = rng.exponential(mean_prompt_extra, size=num_requests).astype(int)
+        prompt_lens = np.minimum(min_prompt + extra, max_prompt)
     starts = rng.integers(0, len(text_ids), size=num_requests)
     out_lens = np.clip(rng.exponential(mean_out, size=num_requests).astype(int), 1, cap_out)
     prompts = [stream[s:s + n] for s, n in zip(starts.tolist(), prompt_lens.tolist())]
@@ -416,6 +423,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--min-prompt", type=int, default=50)
     ap.add_argument("--max-prompt", type=int, default=700)
+    ap.add_argument("--prompt-dist", choices=["exp", "uniform"], default="exp")
+    ap.add_argument("--mean-prompt-extra", type=float, default=106.0,
+                    help="exp: the mean prompt length above --min-prompt")
     ap.add_argument("--mean-out", type=float, default=100.0)
     ap.add_argument("--cap-out", type=int, default=384)
     ap.add_argument("--only", default=",".join(SYSTEMS), help="a subset of jaxinfer,llama,hf")
@@ -450,14 +460,16 @@ def main(argv: list[str] | None = None) -> None:
                          "docstring) or pass --llama-server PATH")
     tokenizer = Tokenizer.from_source(source.path, source.gguf_file)
     work = make_workload(tokenizer, args.requests, args.seed, min_prompt=args.min_prompt,
-                         max_prompt=args.max_prompt, mean_out=args.mean_out, cap_out=args.cap_out)
+                         max_prompt=args.max_prompt, mean_out=args.mean_out, cap_out=args.cap_out,
+                         prompt_dist=args.prompt_dist, mean_prompt_extra=args.mean_prompt_extra)
     header = {"cpu": cpu_model(), "cores": os.cpu_count(), "jaxinfer": jaxinfer_version(),
               "llama.cpp": llama_version(args.llama_server) if "llama" in args.systems else None,
               "model": source.file, "load_average_before": load_average()}
     print(f"machine: {header['cpu']}, {header['cores']} cores; load average {header['load_average_before']}")
     print(f"jaxinfer {header['jaxinfer']}; llama.cpp {header['llama.cpp'] or 'not run'}")
     print(f"workload: {len(work.prompts)} requests, {work.num_prompt_tokens} prompt tokens "
-          f"({args.min_prompt}-{args.max_prompt} each), {work.num_output_tokens} output tokens "
+          f"({args.min_prompt}-{args.max_prompt} each, {args.prompt_dist}), "
+          f"{work.num_output_tokens} output tokens "
           f"(exp mean {args.mean_out:g}, cap {args.cap_out}), greedy, EOS ignored; seed {args.seed}",
           flush=True)
 

@@ -120,6 +120,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--quantization", default="auto", help="EngineConfig.quantization")
     ap.add_argument("--shapes", default="1x32,1x512,16x32,16x512,64x32,64x512")
     ap.add_argument("--prefill", type=int, default=512, help="0: no prefill row")
     ap.add_argument("--steps", type=int, default=5)
@@ -128,7 +129,8 @@ def main(argv=None) -> int:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
     kwargs = dict(max_num_seqs=max([s for s, _ in shapes] + [1]),
                   max_num_batched_tokens=max(512, args.prefill), max_model_len=2048,
-                  attention_backend=args.attention_backend, enable_prefix_caching=False)
+                  attention_backend=args.attention_backend, quantization=args.quantization,
+                  enable_prefix_caching=False)
     if args.dummy:
         kwargs.update(load_format="dummy", tokenizer=args.model)
     engine = LLMEngine(args.model, **kwargs)
@@ -144,7 +146,8 @@ def main(argv=None) -> int:
                            SamplingParams(max_tokens=1))
         rows.append((f"prefill {args.prefill} tokens", args.prefill, *profile_steps(engine, 1)))
         clear(engine)
-    print(f"\nStep profile: {args.model}, attention backend {engine.runner.attention_backend}, "
+    print(f"\nStep profile: {args.model}, weights {args.quantization}, attention backend "
+          f"{engine.runner.attention_backend}, "
           f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores")
     print("| step | ms | tok/s | " + " | ".join(COLUMNS) + " |")
     print("|---|---|---|" + "---|" * len(COLUMNS))

@@ -23,7 +23,7 @@
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -174,6 +174,119 @@ void Int4Block(const Problem& p, int64_t m0, int64_t c0) {
   for (int r = 0; r < R; ++r) std::memcpy(p.y + (m0 + r) * p.n + c0, out[r], sizeof(out[r]));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The same two blocks written with AVX-512 intrinsics, 64 columns (one cache line of int8
+// codes, half a line of int4 ones) at a time: the codes are widened and converted in
+// registers and every row's accumulators stay in registers across the group.
+constexpr int64_t kWideCols = 64;
+
+inline __m512 load_param16(const void* base, int64_t index, bool f16) {
+  if (f16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index)));
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(base) + index);
+}
+
+inline __m512 u8_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+inline __m512 i8_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
+
+template <int R>
+void Int8BlockAvx512(const Problem& p, int64_t m0, int64_t c0) {
+  const int8_t* q = static_cast<const int8_t*>(p.values);
+  const int64_t gs = p.group_size, num_groups = (p.k + gs - 1) / gs;
+  __m512 out[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) out[r][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < num_groups; ++g) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    const int64_t k_end = std::min(p.k, (g + 1) * gs);
+    for (int64_t k = g * gs; k < k_end; ++k) {
+      const __m512i v = _mm512_loadu_si512(q + k * p.n + c0);
+      __m512 w[4];
+      w[0] = i8_to_ps(_mm512_extracti32x4_epi32(v, 0));
+      w[1] = i8_to_ps(_mm512_extracti32x4_epi32(v, 1));
+      w[2] = i8_to_ps(_mm512_extracti32x4_epi32(v, 2));
+      w[3] = i8_to_ps(_mm512_extracti32x4_epi32(v, 3));
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(p.x[(m0 + r) * p.k + k]);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m512 sc = load_param16(p.scales, g * p.n + c0 + 16 * j, p.f16_params);
+      for (int r = 0; r < R; ++r) out[r][j] = _mm512_fmadd_ps(acc[r][j], sc, out[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(p.y + (m0 + r) * p.n + c0 + 16 * j, out[r][j]);
+}
+
+template <int R>
+void Int4BlockAvx512(const Problem& p, int64_t m0, int64_t c0) {
+  const uint8_t* q = static_cast<const uint8_t*>(p.values);
+  const int64_t gs = p.group_size, kh = p.k / 2, half_groups = kh / gs;
+  const bool asym = p.mins != nullptr;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m512 out[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) out[r][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < half_groups; ++g) {
+    __m512 acc_lo[R][4], acc_hi[R][4];
+    float sum_lo[R], sum_hi[R];
+    for (int r = 0; r < R; ++r) {
+      sum_lo[r] = sum_hi[r] = 0.0f;
+      for (int j = 0; j < 4; ++j) acc_lo[r][j] = acc_hi[r][j] = _mm512_setzero_ps();
+    }
+    for (int64_t i = g * gs; i < (g + 1) * gs; ++i) {
+      const uint8_t* row = q + i * p.n + c0;
+      __m512 lo[4], hi[4];
+      for (int h = 0; h < 2; ++h) {  // columns 32 h .. 32 h + 31
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * h));
+        const __m256i l = _mm256_and_si256(v, low4);
+        const __m256i u = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        lo[2 * h] = u8_to_ps(_mm256_castsi256_si128(l));
+        lo[2 * h + 1] = u8_to_ps(_mm256_extracti128_si256(l, 1));
+        hi[2 * h] = u8_to_ps(_mm256_castsi256_si128(u));
+        hi[2 * h + 1] = u8_to_ps(_mm256_extracti128_si256(u, 1));
+      }
+      for (int r = 0; r < R; ++r) {
+        const float xl = p.x[(m0 + r) * p.k + i], xh = p.x[(m0 + r) * p.k + kh + i];
+        sum_lo[r] += xl;
+        sum_hi[r] += xh;
+        const __m512 vl = _mm512_set1_ps(xl), vh = _mm512_set1_ps(xh);
+        for (int j = 0; j < 4; ++j) {
+          acc_lo[r][j] = _mm512_fmadd_ps(vl, lo[j], acc_lo[r][j]);
+          acc_hi[r][j] = _mm512_fmadd_ps(vh, hi[j], acc_hi[r][j]);
+        }
+      }
+    }
+    const int64_t g_hi = g + half_groups;
+    for (int j = 0; j < 4; ++j) {
+      const int64_t col = c0 + 16 * j;
+      const __m512 s_lo = load_param16(p.scales, g * p.n + col, p.f16_params);
+      const __m512 s_hi = load_param16(p.scales, g_hi * p.n + col, p.f16_params);
+      // asymmetric: w = q s + min; symmetric: w = (q - 8) s = q s - 8 s
+      const __m512 off_lo = asym ? load_param16(p.mins, g * p.n + col, p.f16_params)
+                                 : _mm512_mul_ps(s_lo, _mm512_set1_ps(-8.0f));
+      const __m512 off_hi = asym ? load_param16(p.mins, g_hi * p.n + col, p.f16_params)
+                                 : _mm512_mul_ps(s_hi, _mm512_set1_ps(-8.0f));
+      for (int r = 0; r < R; ++r) {
+        __m512 o = _mm512_fmadd_ps(acc_lo[r][j], s_lo, out[r][j]);
+        o = _mm512_fmadd_ps(_mm512_set1_ps(sum_lo[r]), off_lo, o);
+        o = _mm512_fmadd_ps(acc_hi[r][j], s_hi, o);
+        out[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(sum_hi[r]), off_hi, o);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(p.y + (m0 + r) * p.n + c0 + 16 * j, out[r][j]);
+}
+
+#endif
+
 template <int R>
 void Block(const Problem& p, int64_t m0, int64_t c0) {
   if (p.bits == 8) {
@@ -185,7 +298,19 @@ void Block(const Problem& p, int64_t m0, int64_t c0) {
 
 // Columns [c0, c1) of y for every row.
 void RunItem(const Problem& p, int64_t c0, int64_t c1) {
-  for (int64_t c = c0; c < c1; c += kCols) {
+  int64_t c = c0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (; c + kWideCols <= c1; c += kWideCols) {
+    int64_t m0 = 0;
+    for (; m0 + 2 <= p.m; m0 += 2) {
+      if (p.bits == 8) Int8BlockAvx512<2>(p, m0, c); else Int4BlockAvx512<2>(p, m0, c);
+    }
+    for (; m0 < p.m; ++m0) {
+      if (p.bits == 8) Int8BlockAvx512<1>(p, m0, c); else Int4BlockAvx512<1>(p, m0, c);
+    }
+  }
+#endif
+  for (; c < c1; c += kCols) {
     int64_t m0 = 0;
     for (; m0 + kRows <= p.m; m0 += kRows) Block<kRows>(p, m0, c);
     for (; m0 < p.m; ++m0) Block<1>(p, m0, c);

@@ -225,9 +225,9 @@ class EngineConfig:
     scheduling: Literal["continuous", "static"] = "continuous"  # batching
     # fcfs, or priority (a lower `priority` runs first and may preempt)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    # weights: auto keeps a GGUF file's Q8_0/Q4_0/Q4_1 tensors as stored where the CPU kernels
-    # run them (the file's exact weights, a quarter of the bytes; otherwise as none); none: every
-    # weight in dtype; int8/int4: quantized (a GGUF tensor of that kind kept as stored)
+    # weights: none: every weight in dtype; auto: as none, and on a CPU a GGUF file's Q8_0/Q4_0/
+    # Q4_1 tensors also as stored, read by the steps of a few rows (faster decode, the same
+    # weights); int8/int4: quantized (a GGUF tensor of that kind kept as stored)
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     quant_group_size: Literal[32, 64, 128] = 32  # int4: rows of K per scale
     # also quantize the LM head / tied embeddings (int8, or int4 with GPTQ)

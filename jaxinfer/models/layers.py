@@ -120,14 +120,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class QuantizedLinear(Linear):
     """Linear over a `quant.QuantizedWeight` (int8 / int4): params values, scales (, mins) [, bias].
 
-    Built from a float Linear by `jaxinfer.quant.quantize_model`; leading stacked dims ([L, ...])
-    are allowed, the scan over layers slices them before `matmul` runs. `backend` (static):
-    "auto" | "xla" | "pallas", how `ops.quantized_matmul` multiplies (quantize_model sets it
-    from the engine's attention_backend).
+    Built from a float Linear by `jaxinfer.models.quantize.quantize_model`; leading stacked dims
+    ([L, ...]) are allowed, the scan over layers slices them before `matmul` runs. `backend`
+    (static): how `ops.quantized_matmul` multiplies (quantize_model sets it from the engine's
+    attention_backend). `dense`: the same weight in float, kept beside the codes when many-row
+    products should run as dense matmuls (ops.quantized_matmul says when).
     """
 
     def __init__(self, qweight, bias: nnx.Param | None = None, *, dtype=jnp.float32,
-                 backend: str = "auto"):
+                 backend: str = "auto", dense: jax.Array | None = None):
         self.in_features, self.out_features = qweight.shape
         self.dtype = dtype
         self.backend = backend
@@ -135,6 +136,7 @@ class QuantizedLinear(Linear):
         self.values = nnx.Param(qweight.values)
         self.scales = nnx.Param(qweight.scales)
         self.mins = None if qweight.mins is None else nnx.Param(qweight.mins)
+        self.dense = None if dense is None else nnx.Param(dense)  # [..., K, N]
         self.bias = bias
 
     @property
@@ -144,14 +146,18 @@ class QuantizedLinear(Linear):
                                self.group_size, (self.in_features, self.out_features))
 
     def matmul(self, x: jax.Array) -> jax.Array:
-        return ops.quantized_matmul(x.astype(self.dtype), self.qweight, backend=self.backend)
+        return ops.quantized_matmul(x.astype(self.dtype), self.qweight, backend=self.backend,
+                                    dense=None if self.dense is None else self.dense[...])
 
 
 class QuantizedEmbed(Embed):
     """Embed over a `quant.QuantizedWeight` stored in LM-head layout [features, num_embeddings],
-    so the tied head is a plain quantized matmul and a lookup dequantizes only its columns."""
+    so the tied head is a plain quantized matmul and a lookup dequantizes only its columns.
+    `dense`: the float table [num_embeddings, features] kept beside the codes (see
+    QuantizedLinear); lookups then read it."""
 
-    def __init__(self, qweight, *, dtype=jnp.float32, backend: str = "auto"):
+    def __init__(self, qweight, *, dtype=jnp.float32, backend: str = "auto",
+                 dense: jax.Array | None = None):
         self.dtype = dtype
         self.backend = backend
         self.bits, self.group_size = qweight.bits, qweight.group_size
@@ -159,6 +165,7 @@ class QuantizedEmbed(Embed):
         self.values = nnx.Param(qweight.values)
         self.scales = nnx.Param(qweight.scales)
         self.mins = None if qweight.mins is None else nnx.Param(qweight.mins)
+        self.dense = None if dense is None else nnx.Param(dense)  # [num_embeddings, features]
 
     @property
     def qweight(self):
@@ -167,11 +174,14 @@ class QuantizedEmbed(Embed):
                                self.group_size, (self.features, self.num_embeddings))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
+        if self.dense is not None:
+            return jnp.take(self.dense[...], ids, axis=0).astype(self.dtype)
         return quantized_embedding(self.qweight, ids, self.dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return ops.quantized_matmul(x.astype(self.dtype), self.qweight,
-                                    backend=self.backend).astype(jnp.float32)
+        dense = None if self.dense is None else self.dense[...].T  # [features, num_embeddings]
+        return ops.quantized_matmul(x.astype(self.dtype), self.qweight, backend=self.backend,
+                                    dense=dense).astype(jnp.float32)
 
 
 def set_quantized_matmul_backend(model: nnx.Module, backend: str) -> nnx.Module:

@@ -44,6 +44,7 @@ class QuantConfig:
     calibration_num_tokens: int = 1024
     calibration_seed: int = 0
     matmul_backend: str = "auto"  # QuantizedLinear / QuantizedEmbed: see ops.quantized_matmul
+    keep_dense: bool = False  # keep each float weight beside its codes (ops.quantized_matmul)
 
     def __post_init__(self):
         if self.method not in ("int8", "int4", "stored"):
@@ -70,7 +71,7 @@ class QuantConfig:
             return None
         return cls(method, group_size=ec.quant_group_size,
                    quantize_lm_head=ec.quantize_lm_head or method == "stored",
-                   matmul_backend=ec.attention_backend)
+                   matmul_backend=ec.attention_backend, keep_dense=ec.quantization == "auto")
 
     @property
     def head_method(self) -> str:
@@ -165,8 +166,9 @@ def quantize_model(model, qconfig: QuantConfig, gguf_tensors=None, *,
             if qw is None:
                 qw = qconfig.quantize(module.weight[...])
             if qw is not None:  # None: "stored" and not quantized in the file: stays float
+                dense = module.weight[...] if qconfig.keep_dense else None
                 setattr(parent, path[-1], QuantizedLinear(qw, module.bias, dtype=module.dtype,
-                                                          backend=backend))
+                                                          backend=backend, dense=dense))
     if head is None or not qconfig.quantize_lm_head:
         return model
     parent, name, module = head
@@ -188,9 +190,11 @@ def quantize_model(model, qconfig: QuantConfig, gguf_tensors=None, *,
     if qw is None:
         return model
     if tied:
-        setattr(parent, name, QuantizedEmbed(qw, dtype=module.dtype, backend=backend))
+        dense = module.embedding[...] if qconfig.keep_dense else None
+        setattr(parent, name, QuantizedEmbed(qw, dtype=module.dtype, backend=backend, dense=dense))
     else:
+        dense = module.weight[...] if qconfig.keep_dense else None
         setattr(parent, name, QuantizedLinear(qw, module.bias, dtype=module.dtype,
-                                              backend=backend))
+                                              backend=backend, dense=dense))
     return model
 

@@ -36,10 +36,13 @@ from pallas_kernels.ragged_paged_attention import \
     ragged_paged_attention as ragged_paged_attention_pallas
 
 BACKENDS: tuple[str, ...] = typing.get_args(Backend)
-# Up to this many rows of x, a quantized matmul on the "cpu" backend reads the packed weight in
-# the kernel (memory-bound decode steps); above, it dequantizes to f32 and takes XLA's dense
-# matmul (compute-bound prefill). Measured in docs/performance.md.
+# A quantized matmul on the "cpu" backend reads the packed weight in the C++ kernel up to this
+# many rows of x (a memory-bound product of a decode step)...
 CPU_QUANT_KERNEL_MAX_ROWS = 64
+# ...but hands a product of more rows than this to XLA's dense matmul when the layer keeps the
+# float weight beside its codes (from 8-16 rows on, the dense f32 matmul is faster on a CPU
+# whose cache holds the float weights; docs/performance.md).
+CPU_DENSE_ABOVE_ROWS = 8
 
 
 def resolve_backend(backend: str) -> str:
@@ -121,14 +124,20 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
     return ragged_paged_attention_xla(q, k_cache, v_cache, layer, md, **options)
 
 
-def quantized_matmul(x: jax.Array, qweight: QuantizedWeight, *, backend: str = "auto") -> jax.Array:
+def quantized_matmul(x: jax.Array, qweight: QuantizedWeight, *, backend: str = "auto",
+                     dense: jax.Array | None = None) -> jax.Array:
     """x: [..., K] @ a QuantizedWeight [K, N] (int8 / int4, one matrix) -> [..., N] in x.dtype.
     "pallas": the Pallas kernel; "cpu": the C++ kernel for a few rows, else the weight
     dequantized by the C++ kernel and XLA's matmul; "xla": dequantized inside the jit. A layout a
-    kernel does not take (e.g. int4 g128 with K/2 not a multiple of 128) runs on the XLA path."""
+    kernel does not take (e.g. int4 g128 with K/2 not a multiple of 128) runs on the XLA path.
+    `dense` (the same weight in float, [K, N]): on "cpu", products of more than
+    CPU_DENSE_ABOVE_ROWS rows use it instead of the codes."""
     k, n = qweight.shape
     backend = resolve_backend(backend)
     rows = x.reshape(-1, k) if x.shape[-1] == k else None  # [M, K]
+    if dense is not None and backend == "cpu" and rows is not None and \
+            rows.shape[0] > CPU_DENSE_ABOVE_ROWS:
+        return jnp.dot(rows, dense.astype(rows.dtype)).reshape(*x.shape[:-1], n)
     if backend == "cpu" and qweight.values.ndim == 2 and rows is not None:
         q = qweight
         try:
