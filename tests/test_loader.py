@@ -1,4 +1,9 @@
-"""Loading weights: HF safetensors dirs (single, sharded), GGUF files (dequantized), errors."""
+"""Loading weights: HF safetensors dirs (single, sharded), GGUF files (dequantized), errors.
+
+The loader dequantizes with `gguf.quants`. Q8_0 / Q4_0 / Q4_1 files are written by gguf-py and
+their expected weights are its round trip (the integer import of these types is checked against
+gguf-py in test_quant.py); Q4_K / Q6_K files are packed by tests/kquants.py from ggml's block
+layout, with expected weights computed from the codes by the format's formula, not by gguf-py."""
 
 import importlib.util
 import json
@@ -18,6 +23,7 @@ from jaxinfer.models import loader
 from jaxinfer.models.gguf_file import GGUFTensors, gguf_tensor_f32, open_gguf
 from jaxinfer.models.loader import (ModelSource, load_model, model_source, resolve_model_path)
 from jaxinfer.ops.kv_cache import allocate_kv_cache
+from tests import kquants
 from tests.tiny_models import gguf_roundtrip, paged_batch, save_tiny_gguf, save_tiny_model
 
 
@@ -143,17 +149,8 @@ def test_quantized_gguf_dequantizes(tensor_type, llama_dir, tmp_path):
                                   tensors["model.layers.0.input_layernorm.weight"])  # F32 kept
 
 
-def test_quantized_gguf_logits_match_transformers(llama_dir, tmp_path):
-    """transformers loads the same Q8_0 file (its own un-permutation): same logits."""
-    import transformers
-
-    path = save_tiny_gguf(llama_dir, tmp_path / "q8.gguf", "Q8_0")
-    config, model = load_model(path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path), gguf_file="q8.gguf", dtype=torch.float32).eval()
-    seq = [5, 17, 250, 3, 99, 14, 8, 200, 41]
-    with torch.no_grad():
-        ref = hf(torch.tensor([seq])).logits[0].numpy()
+def _jax_logits(config, model, seq) -> np.ndarray:
+    """f32[len(seq), vocab]: jaxinfer's logits of one sequence through the paged engine path."""
     ids, positions, md = paged_batch([(seq, 0, [3, 1, 4])], page_size=4, num_tokens=16, num_seqs=2,
                                      pages_per_seq=3)
     graphdef, state = nnx.split(model)
@@ -164,8 +161,73 @@ def test_quantized_gguf_logits_match_transformers(llama_dir, tmp_path):
         hidden, _ = m(ids, positions, cache, md)
         return m.compute_logits(hidden)
 
-    logits = np.asarray(forward(state, allocate_kv_cache(config, 6, 4, jnp.float32)))[:len(seq)]
-    assert np.abs(logits - ref).max() / np.abs(ref).max() < 1e-4
+    return np.asarray(forward(state, allocate_kv_cache(config, 6, 4, jnp.float32)))[:len(seq)]
+
+
+def _hf_logits(folder, seq, gguf_file=None) -> np.ndarray:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), gguf_file=gguf_file, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([seq])).logits[0].numpy()
+
+
+def _rel_err(a, ref) -> float:
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+SEQ = [5, 17, 250, 3, 99, 14, 8, 200, 41]
+
+
+def test_quantized_gguf_logits_match_transformers(llama_dir, tmp_path):
+    """transformers loads the same Q8_0 file (its own un-permutation): same logits."""
+    path = save_tiny_gguf(llama_dir, tmp_path / "q8.gguf", "Q8_0")
+    config, model = load_model(path)
+    ref = _hf_logits(tmp_path, SEQ, "q8.gguf")
+    assert _rel_err(_jax_logits(config, model, SEQ), ref) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def wide_llama_dir(tmp_path_factory):
+    """A tiny Llama whose weight rows are whole K-quant blocks (256 values)."""
+    return save_tiny_model("llama", tmp_path_factory.mktemp("wide"), seed=6, hidden_size=256,
+                           intermediate_size=512, with_tokenizer=False)
+
+
+@pytest.mark.parametrize("tensor_type", ["Q4_K", "Q6_K"])
+def test_k_quant_gguf_logits_match_transformers(tensor_type, wide_llama_dir, tmp_path):
+    """A tiny Llama with every matrix in `tensor_type`, blocks packed by tests/kquants.py from
+    ggml's layout (gguf-py cannot write K-quants). The reference is transformers running, from a
+    safetensors copy, the float weights that the file stands for, which tests/kquants.py computes
+    from the codes with the format's formula: not with `gguf.quants`, the dequantizer that
+    jaxinfer's loader calls, so a wrong dequantization fails here. transformers loading the GGUF
+    itself (gguf_file=...) is checked too, but it dequantizes with that same gguf package: it
+    vouches for the file and the rest of the loading (names, Q/K row order, config), not the
+    dequantization. The tolerance is far below the quantization's own effect on the logits (the
+    unquantized model misses it), so merely close weights fail."""
+    path = save_tiny_gguf(wide_llama_dir, tmp_path / "k.gguf", tensor_type)
+    tensors = load_file(os.path.join(wide_llama_dir, "model.safetensors"))
+    stands_for = {n: gguf_roundtrip(t, tensor_type) if t.ndim == 2 else t
+                  for n, t in tensors.items()}
+    ref_dir = copy_checkpoint(wide_llama_dir, tmp_path / "stands_for", stands_for)
+
+    config, model = load_model(path)
+    assert config.hidden_size == 256 and config.intermediate_size == 512
+    params = pure(model)
+    d, hq = config.head_dim, config.num_heads
+    q_proj = params["layers"]["self_attn"]["qkv_proj"]["weight"][1][:, :hq * d]  # un-permuted
+    np.testing.assert_allclose(q_proj, stands_for["model.layers.1.self_attn.q_proj.weight"].T,
+                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(params["layers"]["mlp"]["down_proj"]["weight"][0],
+                               stands_for["model.layers.0.mlp.down_proj.weight"].T,
+                               rtol=1e-6, atol=1e-7)
+
+    ref = _hf_logits(ref_dir, SEQ)
+    tol = 1e-4
+    assert _rel_err(_jax_logits(config, model, SEQ), ref) < tol
+    assert _rel_err(_hf_logits(tmp_path, SEQ, "k.gguf"), ref) < tol
+    assert _rel_err(_hf_logits(wide_llama_dir, SEQ), ref) > 10 * tol  # quantization shows
 
 
 def _write_gguf(path, arch, tensors, metadata=None):
@@ -182,24 +244,19 @@ def _write_gguf(path, arch, tensors, metadata=None):
 
 
 @pytest.mark.parametrize("tensor_type", ["Q4_K", "Q6_K"])
-def test_k_quant_tensors_dequantize(tensor_type, tmp_path):
-    """gguf-py cannot quantize K-quants; write random blocks with small finite scales."""
-    qtype = gguf.GGMLQuantizationType[tensor_type]
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    rows, cols = 4, 2 * block_size
-    raw = np.random.default_rng(0).integers(0, 256, (rows, cols // block_size * type_size),
-                                            dtype=np.uint8)
-    scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    blocks = raw.reshape(rows, -1, type_size)
-    if tensor_type == "Q4_K":  # d, dmin are the first two f16
-        blocks[..., 0:2] = scale
-        blocks[..., 2:4] = scale
-    else:  # Q6_K: d is the last f16
-        blocks[..., -2:] = scale
-    path = _write_gguf(tmp_path / "k.gguf", "llama", {"blk.0.ffn_up.weight": (raw, qtype)})
+def test_k_quant_blocks_read_as_the_format_says(tensor_type, tmp_path):
+    """Random codes and scales (every bit of the layout in play) packed by tests/kquants.py: the
+    loader reads the values ggml's formula gives for them, computed from the codes, not from the
+    bytes."""
+    rows, blocks_per_row = 4, 2
+    blocks = kquants.random_blocks(tensor_type, rows * blocks_per_row, np.random.default_rng(0))
+    raw = kquants.pack(blocks).reshape(rows, -1)
+    path = _write_gguf(tmp_path / "k.gguf", "llama",
+                       {"blk.0.ffn_up.weight": (raw, gguf.GGMLQuantizationType[tensor_type])})
     out = gguf_tensor_f32(open_gguf(path), "blk.0.ffn_up.weight")
-    assert out.shape == (rows, cols) and np.isfinite(out).all() and np.abs(out).max() > 0
-    np.testing.assert_array_equal(out, gguf.quants.dequantize(raw, qtype))
+    want = kquants.values(blocks).reshape(rows, blocks_per_row * kquants.QK_K)
+    assert out.shape == want.shape and np.abs(want).max() > 0
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=0)
     tensors = GGUFTensors(open_gguf(path), "llama", 4, 2)
     assert list(tensors) == ["model.layers.0.mlp.up_proj.weight"]
 

@@ -4,6 +4,8 @@
     path = save_tiny_model("mistral", d, sliding_window=6)        # tokenizer files (ChatML template)
     gguf = save_tiny_gguf(path, tmp_path / "llama.gguf", "Q8_0")  # the same weights as llama.cpp's
                                                                   # converter would write them
+    wide = save_tiny_model("llama", d, hidden_size=256, intermediate_size=512)
+    gguf = save_tiny_gguf(wide, tmp_path / "k.gguf", "Q4_K")      # K-quant rows: 256-value blocks
 The tokenizer is a byte-level BPE trained on a few sentences (TINY_TOKENIZER_VOCAB tokens, ids
 0/1/2 = <|endoftext|>/<|im_start|>/<|im_end|>, bos=1, eos=2), so any text encodes. The models use
 vocab_size TINY_VOCAB >= that, so every token id is valid. Needs torch + transformers (test-only).
@@ -16,6 +18,8 @@ import os
 from pathlib import Path
 
 import numpy as np
+
+from tests import kquants
 
 TINY_VOCAB = 384
 TINY_TOKENIZER_VOCAB = 320
@@ -110,8 +114,9 @@ def save_tiny_gguf(hf_dir: str | os.PathLike, path: str | os.PathLike,
                    tensor_type: str = "F32") -> str:
     """Write the weights of a tiny llama / qwen2 HF dir as a GGUF file the way llama.cpp would.
 
-    2-D weights are stored as `tensor_type` (F32, F16, BF16, Q8_0, Q4_0, Q4_1: the types gguf-py can
-    quantize), norms and biases as F32. Returns the file path.
+    2-D weights are stored as `tensor_type` (F32, F16, BF16, Q8_0, Q4_0, Q4_1: quantized by gguf-py;
+    Q4_K, Q6_K: by tests/kquants.py, for rows of whole 256-value blocks), norms and biases as F32.
+    Returns the file path.
     """
     import gguf
     from safetensors.numpy import load_file
@@ -165,7 +170,9 @@ def save_tiny_gguf(hf_dir: str | os.PathLike, path: str | os.PathLike,
             array = _llama_cpp_permute(array, num_heads)
         elif arch == "llama" and suffix_is(name, "k_proj"):
             array = _llama_cpp_permute(array, num_kv_heads)
-        if array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+        if array.ndim == 2 and tensor_type in kquants.BLOCK_BYTES:
+            writer.add_tensor(out_name, kquants.quantize(array, tensor_type)[0], raw_dtype=qtype)
+        elif array.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(out_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(out_name, array)
@@ -181,9 +188,12 @@ def suffix_is(name: str, proj: str) -> bool:
 
 
 def gguf_roundtrip(array: np.ndarray, tensor_type: str) -> np.ndarray:
-    """What a float32 matrix becomes after quantizing to `tensor_type` and dequantizing back."""
+    """What a float32 matrix becomes after quantizing to `tensor_type` and dequantizing back (for
+    K-quants: the values tests/kquants.py's blocks stand for, computed without gguf-py)."""
     import gguf
 
+    if tensor_type in kquants.BLOCK_BYTES:
+        return kquants.quantize(array, tensor_type)[1]
     qtype = gguf.GGMLQuantizationType[tensor_type]
     if qtype == gguf.GGMLQuantizationType.F32:
         return np.asarray(array, np.float32)
