@@ -55,7 +55,9 @@ def code_version(module_files: Iterable[str | os.PathLike], packages: Sequence[s
     h = hashlib.sha256()
     for path in module_files:
         with open(path, "rb") as f:
-            h.update(f.read())
+            data = f.read()
+        h.update(len(data).to_bytes(8, "little"))  # bytes moved between two files: another hash
+        h.update(data)
     versions = []
     for name in packages:
         try:

@@ -124,12 +124,14 @@ def _auto_tokenizer():
 # -- GGUF tokenizers, through a disk cache ---------------------------------------------------------
 # transformers converts a GGUF file's vocabulary and merges into a fast tokenizer on every load
 # (seconds: the `gguf` reader parses ~100k strings one at a time). The converted tokenizer is
-# saved once (`save_pretrained`) and loaded from there afterwards, keyed by the file's identity
-# and the transformers / tokenizers versions (jaxinfer/disk_cache.py).
+# saved once (`save_pretrained`) and loaded from there afterwards, keyed by the file's identity,
+# this module's code and the versions of the packages that convert (transformers, tokenizers, and
+# gguf, whose reader feeds the conversion without torch) (jaxinfer/disk_cache.py).
 _TOKENIZER_CACHE_KIND = "tokenizers"
 _TOKENIZER_CACHE_FORMAT = 1
 _MIN_CACHED_GGUF_BYTES = 16 * 2**20  # smaller files (tests' tiny models) load fast anyway
 _FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_TOKENIZER_CACHE_PACKAGES = ("transformers", "tokenizers", "gguf")
 
 
 def _gguf_tokenizer(gguf_path: str):
@@ -137,7 +139,7 @@ def _gguf_tokenizer(gguf_path: str):
     if not disk_cache.cache_enabled() or os.path.getsize(gguf_path) < _MIN_CACHED_GGUF_BYTES:
         return _load_gguf_tokenizer(folder, name)
     key = {"format": _TOKENIZER_CACHE_FORMAT, "source": disk_cache.file_identity(gguf_path),
-           "code": disk_cache.code_version([__file__], ("transformers", "tokenizers"))}
+           "code": disk_cache.code_version([__file__], _TOKENIZER_CACHE_PACKAGES)}
     slot = disk_cache.CacheSlot(_TOKENIZER_CACHE_KIND, os.path.realpath(gguf_path), key)
     entry = slot.lookup()
     if entry is not None:

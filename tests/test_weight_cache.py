@@ -1,11 +1,16 @@
 """Disk caches of start-up work: converted GGUF weights (models/weight_cache.py) and converted GGUF
 tokenizers (tokenizer.py), on jaxinfer/disk_cache.py. A hit gives exactly what a fresh conversion
-gives; a changed source or damaged entry is rebuilt; JAXINFER_NO_CACHE=1 writes nothing."""
+gives; a changed source, a change to the code that shapes an entry, or a damaged entry is a miss;
+JAXINFER_NO_CACHE=1 writes nothing."""
 
+import ast
+import importlib.metadata
 import importlib.util
+import inspect
 import json
 import logging
 import os
+from pathlib import Path
 
 import jax
 import ml_dtypes
@@ -13,8 +18,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jaxinfer
 from jaxinfer import disk_cache
-from jaxinfer.models import gguf_file, loader, weight_cache
+from jaxinfer.models import gguf_file, layers, llama, loader, weight_cache, weights
 from jaxinfer.models.loader import load_model
 from tests.tiny_models import save_tiny_gguf, save_tiny_model
 
@@ -56,12 +62,14 @@ def uncached(path):
 
 
 def entries(root):
+    """The weight cache's entries under `root` (which also gets the CPU kernels compiled on first
+    use: cpu_kernels/build.py keeps them under the same root)."""
     return sorted(p for p in (root / weight_cache.KIND).glob("*/*") if not p.name.startswith("."))
 
 
 def test_hit_gives_the_same_model_without_reading_the_gguf(tiny_gguf, cache_dir, monkeypatch):
     ref_config, ref_model = uncached(tiny_gguf)
-    assert not cache_dir.exists()
+    assert not entries(cache_dir)
     config1, model1 = load_model(tiny_gguf)  # miss: converts and stores
     assert len(entries(cache_dir)) == 1
 
@@ -94,6 +102,74 @@ def test_other_dtype_is_another_key(tiny_gguf, cache_dir):
     assert a.dir == b.dir and a.key != b.key
 
 
+PACKAGE_DIR = Path(jaxinfer.__file__).resolve().parent
+
+
+def _jaxinfer_imports(path: Path) -> set[Path]:
+    """The source files of the jaxinfer modules that `path` imports (at any depth in the file)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    files = set()
+    for name in names:
+        if name == "jaxinfer" or not name.startswith("jaxinfer."):
+            continue
+        base = PACKAGE_DIR.joinpath(*name.split(".")[1:])
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                files.add(candidate)
+    return files
+
+
+def test_the_key_names_every_module_that_shapes_an_entry():
+    """What converts (weight_cache, weights, gguf_file) and every jaxinfer module it imports, at
+    any depth (config.py: the ModelConfig stored in the index); the loader that decides what is
+    stored; the model whose param tree an entry fills."""
+    covered = set(weight_cache.code_files())
+    assert all(f.is_file() for f in covered)
+    todo = [Path(inspect.getsourcefile(m)) for m in (weight_cache, weights, gguf_file)]
+    closure = set()
+    while todo:
+        f = todo.pop().resolve()
+        if f not in closure:
+            closure.add(f)
+            todo.extend(_jaxinfer_imports(f))
+    assert PACKAGE_DIR / "config.py" in closure
+    assert closure <= covered, sorted(str(f) for f in closure - covered)
+    for obj in (loader.load_model, llama.LlamaForCausalLM, layers.Linear, layers.Embed,
+                layers.RMSNorm):
+        assert Path(inspect.getsourcefile(obj)).resolve() in covered, obj
+    assert {"gguf", "numpy", "ml_dtypes"} <= set(weight_cache.CODE_PACKAGES)
+
+
+def test_editing_any_of_those_modules_or_packages_is_another_key(tiny_gguf, tmp_path,
+                                                                  monkeypatch):
+    files = weight_cache.code_files()
+
+    def key():
+        return weight_cache.weight_slot([tiny_gguf], np.float32, tmp_path).key
+
+    keys = [key()]
+    for i, path in enumerate(files):  # the same file plus one comment line
+        edited = tmp_path / f"{i}-{path.name}"
+        edited.write_bytes(path.read_bytes() + b"# edited\n")
+        with monkeypatch.context() as m:
+            m.setattr(weight_cache, "code_files", lambda: [*files[:i], edited, *files[i + 1:]])
+            keys.append(key())
+    real_version = importlib.metadata.version
+    for package in weight_cache.CODE_PACKAGES:
+        with monkeypatch.context() as m:
+            m.setattr(importlib.metadata, "version",
+                      lambda name, p=package: "0.0.0+other" if name == p else real_version(name))
+            keys.append(key())
+    assert key() == keys[0]  # nothing else moved
+    assert len(set(keys)) == len(keys) == 1 + len(files) + len(weight_cache.CODE_PACKAGES)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "index", "missing"])
 def test_damaged_entry_is_rebuilt_with_a_warning(damage, tiny_gguf, cache_dir, caplog):
     _, ref_model = load_model(tiny_gguf)
@@ -117,7 +193,7 @@ def test_damaged_entry_is_rebuilt_with_a_warning(damage, tiny_gguf, cache_dir, c
 def test_no_cache_env_writes_nothing(tiny_gguf, cache_dir, monkeypatch):
     monkeypatch.setenv(disk_cache.NO_CACHE_ENV, "1")
     load_model(tiny_gguf)
-    assert not cache_dir.exists()
+    assert not (cache_dir / weight_cache.KIND).exists()
 
 
 def test_quantized_loads_take_the_blocks_from_the_file_and_the_rest_from_the_cache(

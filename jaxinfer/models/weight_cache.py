@@ -4,8 +4,10 @@ Reading a GGUF file (its metadata holds the whole vocabulary: ~100k strings pars
 the `gguf` reader), dequantizing it and fusing/transposing/stacking the tensors costs seconds on
 every start; the result, stored as .npy files, maps back into memory in milliseconds. The entry
 is keyed by the source file's identity (path, size, mtime, inode), the param dtype and the code
-that converts (this module, weights.py, gguf_file.py, the gguf package's version): see
-`jaxinfer.disk_cache`. No JAX here.
+that shapes it (CODE_MODULES: what reads and converts the file, the ModelConfig stored with the
+params, the model whose param tree they fill; the versions of the packages that dequantize and
+cast): see `jaxinfer.disk_cache`. Quantized loads are not part of an entry (they take their blocks
+from the file on every load), so the quant modules are not in the key. No JAX here.
 """
 
 from __future__ import annotations
@@ -29,22 +31,38 @@ FORMAT_VERSION = 1  # bump when the entry's layout changes
 MIN_SOURCE_BYTES = 16 * 2**20
 _INDEX_FILE = "index.json"
 _SEP = "/"
-_MODULES = ("weight_cache.py", "weights.py", "gguf_file.py")
+# Sources (relative to the jaxinfer package) whose code shapes an entry: a change to any of them
+# is a new key. Every jaxinfer module that the first three import is here too (a test checks).
+CODE_MODULES = (
+    "models/weight_cache.py",  # the entry's files and index
+    "models/weights.py",  # HF tensors -> the fused, transposed, stacked param tree
+    "models/gguf_file.py",  # GGUF names, Q/K un-permutation, dequantization, the ModelConfig read
+    "models/loader.py",  # what is converted and stored, in which dtype
+    "models/llama.py",  # the param tree an entry must fill
+    "models/layers.py",  # ... down to each parameter's name and shape
+    "config.py",  # ModelConfig, stored in the index (to_dict / from_dict)
+    "disk_cache.py",  # keys and publication
+)
+CODE_PACKAGES = ("gguf", "numpy", "ml_dtypes")  # gguf dequantizes; numpy / ml_dtypes cast
 # dtypes .npy files store as such; others (bfloat16) go as same-width unsigned ints
 _NATIVE = {"float32", "float16", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
            "uint32", "uint64", "bool"}
 _VIEW_AS = {2: np.uint16, 4: np.uint32, 1: np.uint8}
 
 
+def code_files() -> list[Path]:
+    """The source files of CODE_MODULES."""
+    package = Path(__file__).resolve().parents[1]
+    return [package / m for m in CODE_MODULES]
+
+
 def weight_slot(source_files: list[str], dtype, root: str | os.PathLike | None = None):
     """The CacheSlot of a model made from `source_files` in param `dtype`."""
-    here = Path(__file__).resolve().parent
     key = {
         "format": FORMAT_VERSION,
         "sources": [disk_cache.file_identity(f) for f in source_files],
         "dtype": np.dtype(dtype).name,
-        "code": disk_cache.code_version([here / m for m in _MODULES],
-                                        ("gguf", "numpy")),
+        "code": disk_cache.code_version(code_files(), CODE_PACKAGES),
     }
     slot_id = [os.path.realpath(f) for f in source_files]
     return disk_cache.CacheSlot(KIND, slot_id, key, root)
