@@ -1,13 +1,67 @@
-"""Session-wide fixtures: tiny checkpoints, the real SmolLM2 file, engines compiled once."""
+"""Session-wide fixtures: tiny checkpoints, the real SmolLM2 file, engines compiled once; and a
+private cache root for the test session.
+
+jaxinfer's disk caches (converted weights and tokenizers, jaxinfer/disk_cache.py) live under a
+temporary JAXINFER_CACHE_DIR made for the session and deleted after it (the root of a killed run
+goes a day later), so a test never reads an entry that the developer's runs or another checkout
+left behind; the first SmolLM2 load of a session converts the file (about 15 s).
+
+The compiled C++ CPU kernels stay shared (the session root links to the developer's directory):
+cpu_kernels/build.py names each binary by everything that shapes it (source and headers,
+compiler, jaxlib, CPU flags, compiler flags), so an old one is never taken for a new one, and
+compiling them on every run would add ~8 s. JAX's persistent compilation cache is off for the
+session, even where the environment turns it on: JAX keys it by the program, but jaxinfer's
+executable cache comes on beside it, and that one is keyed by a code version, not by the
+program; the tests of that cache give it a directory of their own.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
+
+_CACHE_ROOT = pytest.StashKey[Path]()
+_CACHE_PREFIX = "jaxinfer-test-cache-"
+_STALE_SECONDS = 24 * 3600  # a session root this old was left by a killed run
+
+
+def pytest_configure(config):
+    import jax
+
+    from cpu_kernels import build
+    from jaxinfer import disk_cache
+
+    shared_kernels = build.cache_dir()  # the developer's, before the root moves
+    for stale in Path(tempfile.gettempdir()).glob(_CACHE_PREFIX + "*"):  # of killed sessions
+        try:
+            if time.time() - stale.stat().st_mtime > _STALE_SECONDS:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:  # removed meanwhile
+            pass
+    root = Path(tempfile.mkdtemp(prefix=_CACHE_PREFIX))
+    config.stash[_CACHE_ROOT] = root
+    os.environ[disk_cache.CACHE_DIR_ENV] = str(root)
+    try:
+        shared_kernels.mkdir(parents=True, exist_ok=True)
+        (root / shared_kernels.name).symlink_to(shared_kernels, target_is_directory=True)
+    except OSError:  # a read-only home, no symlinks: the kernels compile into the session root
+        pass
+    jax.config.update("jax_compilation_cache_dir", None)
+
+
+def pytest_unconfigure(config):
+    root = config.stash.get(_CACHE_ROOT, None)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)  # the link goes, not the shared kernels
+
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
