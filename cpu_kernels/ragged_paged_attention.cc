@@ -2,20 +2,21 @@
 //
 // The step's new tokens are a flat list q[T, Hq, D]; sequence s owns tokens cu_q_lens[s] ..
 // cu_q_lens[s+1] and has kv_lens[s] context tokens (its new ones included) in the pages
-// page_indices[s] of the stacked cache [L, N, page_size, Hkv, D]. Token i of sequence s sits at
-// position kv_lens[s] - q_len[s] + i and attends causally to positions 0 .. that position,
-// optionally only to the last `sliding_window` of them.
+// page_indices[s] of the stacked cache. Token i of sequence s sits at position kv_lens[s] -
+// q_len[s] + i and attends causally to positions 0 .. that position, optionally only to the last
+// `sliding_window` of them.
 //
-// One work item is (sequence, KV head, block of up to kRowBlock new tokens): its rows are those
-// tokens times the query heads of that KV head (GQA), and it walks only the pages its rows can
-// see, one page at a time, with an online softmax. A page's keys are transposed into a small
-// [D, page_size] buffer so that the scores of one row against the whole page are D vector FMAs
-// across the page's keys; the values are then accumulated D-wide. Every read goes straight to
-// the cache pages (nothing is gathered into a copy of the context), and a decode row costs what
-// its own context costs, however long the other sequences in the step are.
+// The cache is head-major, so that one KV head's part of a page is one contiguous block read in
+// place: K [L, N, Hkv, D, page_size] (each page's keys transposed) and V [L, N, Hkv, page_size,
+// D]. One work item is (sequence, KV head, block of up to kRowBlock new tokens): its rows are
+// those tokens times the query heads of that KV head (GQA), and it walks only the pages its rows
+// can see, one page at a time, with an online softmax: the scores of a row against the page are
+// D vector FMAs across the page's keys, and the values are accumulated D-wide. Nothing is
+// gathered into a copy of the context, and a decode row costs what its own context costs,
+// however long the other sequences in the step are.
 //
 // Work items are spread over XLA's intra-op thread pool (the calling thread takes items too).
-// int8 caches carry one f32 scale per (layer, page, slot, KV head); float16/bfloat16 caches are
+// int8 caches carry one f32 scale per (layer, page, KV head, slot); float16/bfloat16 caches are
 // widened to f32 as they are read. Padding tokens (past cu_q_lens[num_seqs]) get zeros.
 
 #include <algorithm>
@@ -98,43 +99,49 @@ inline float to_float(uint16_t bits, bool is_bf16) {
   return f;
 }
 
-// The cache as the kernel reads it: element (layer, page, slot, head, d) widened to f32.
+// The cache as the kernel reads it, head-major: one KV head's part of a page is contiguous, K
+// transposed ([D, page_size]: a key's dimension d of every slot together) and V as rows
+// ([page_size, D]). An f32 page is read in place; other dtypes are widened into a buffer.
 struct CacheView {
   const void* data;
-  const float* scale;  // int8 only: [L, N, ps, Hkv]
+  const float* scale;  // int8 only: [L, N, Hkv, ps]
   ffi::DataType dtype;
-  int64_t num_pages, page_size, num_kv_heads, head_dim;
+  int64_t num_pages, num_kv_heads, head_dim, page_size;
 
-  // Copies head `h` of `count` slots of page `page` (layer `layer`) into out[t * stride_t +
-  // d * stride_d], as f32.
-  void load(int64_t layer, int64_t page, int64_t h, int count, float* out, int64_t stride_t,
-            int64_t stride_d) const {
-    const int64_t slot0 = (layer * num_pages + page) * page_size;  // first slot of the page
-    for (int t = 0; t < count; ++t) {
-      const int64_t base = ((slot0 + t) * num_kv_heads + h) * head_dim;
-      float* o = out + t * stride_t;
-      switch (dtype) {
-        case ffi::DataType::F32: {
-          const float* src = static_cast<const float*>(data) + base;
-          for (int64_t d = 0; d < head_dim; ++d) o[d * stride_d] = src[d];
-          break;
-        }
-        case ffi::DataType::BF16:
-        case ffi::DataType::F16: {
-          const uint16_t* src = static_cast<const uint16_t*>(data) + base;
-          const bool bf16 = dtype == ffi::DataType::BF16;
-          for (int64_t d = 0; d < head_dim; ++d) o[d * stride_d] = to_float(src[d], bf16);
-          break;
-        }
-        case ffi::DataType::S8: {
-          const int8_t* src = static_cast<const int8_t*>(data) + base;
-          const float s = scale[(slot0 + t) * num_kv_heads + h];
-          for (int64_t d = 0; d < head_dim; ++d) o[d * stride_d] = to_float(src[d]) * s;
-          break;
-        }
-        default:
-          break;
+  // The [D * ps] values of (layer, page, head) as f32: a pointer into the cache (f32) or into
+  // `buf`. `transposed` says which axis the scale (int8: one per slot) runs along.
+  const float* head_page(int64_t layer, int64_t page, int64_t h, bool transposed,
+                         float* buf) const {
+    const int64_t block = (layer * num_pages + page) * num_kv_heads + h;  // (layer, page, head)
+    const int64_t n = head_dim * page_size, base = block * n;
+    switch (dtype) {
+      case ffi::DataType::F32:
+        return static_cast<const float*>(data) + base;
+      case ffi::DataType::BF16:
+      case ffi::DataType::F16: {
+        const uint16_t* src = static_cast<const uint16_t*>(data) + base;
+        const bool bf16 = dtype == ffi::DataType::BF16;
+        for (int64_t i = 0; i < n; ++i) buf[i] = to_float(src[i], bf16);
+        return buf;
       }
+      case ffi::DataType::S8: {
+        const int8_t* src = static_cast<const int8_t*>(data) + base;
+        const float* sc = scale + block * page_size;  // f32[ps]
+        if (transposed) {  // [D, ps]: slot t's scale on column t
+          for (int64_t d = 0; d < head_dim; ++d)
+#pragma omp simd
+            for (int64_t t = 0; t < page_size; ++t)
+              buf[d * page_size + t] = to_float(src[d * page_size + t]) * sc[t];
+        } else {  // [ps, D]: slot t's scale on row t
+          for (int64_t t = 0; t < page_size; ++t)
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d)
+              buf[t * head_dim + d] = to_float(src[t * head_dim + d]) * sc[t];
+        }
+        return buf;
+      }
+      default:
+        return nullptr;
     }
   }
 };
@@ -274,8 +281,8 @@ void RunItem(const Problem& p, const WorkItem& w, PageBlockFn block, std::vector
   float* acc = qr + padded_rows * D;
   float* m = acc + padded_rows * D;
   float* l = m + padded_rows;
-  float* kt = l + padded_rows;
-  float* vb = kt + D * ps;
+  float* kbuf = l + padded_rows;
+  float* vbuf = kbuf + D * ps;
   std::fill(qr, qr + padded_rows * D, 0.0f);
   for (int32_t i = 0; i < w.num_tokens; ++i) {
     for (int64_t g = 0; g < G; ++g) {
@@ -294,12 +301,17 @@ void RunItem(const Problem& p, const WorkItem& w, PageBlockFn block, std::vector
   for (int64_t pg = lo_pos / ps; pg * ps <= last_pos; ++pg) {
     const int64_t t0 = pg * ps;
     const int count = static_cast<int>(std::min<int64_t>(ps, last_pos + 1 - t0));
-    p.k.load(p.layer, pages[pg], w.head, count, kt, 1, ps);  // kt[d * ps + t]
-    p.v.load(p.layer, pages[pg], w.head, count, vb, D, 1);   // vb[t * D + d]
-    if (count < ps) {  // slots past the context: zero, so masked lanes multiply zeros, not garbage
+    const float* kt = p.k.head_page(p.layer, pages[pg], w.head, true, kbuf);   // [D, ps]
+    const float* vb = p.v.head_page(p.layer, pages[pg], w.head, false, vbuf);  // [ps, D]
+    if (count < ps) {  // slots past the context (any garbage, even NaN): zeros in a copy, so
+      // masked lanes multiply zeros
+      if (kt != kbuf) std::memcpy(kbuf, kt, sizeof(float) * D * ps);
+      if (vb != vbuf) std::memcpy(vbuf, vb, sizeof(float) * D * ps);
       for (int64_t d = 0; d < D; ++d)
-        for (int t = count; t < ps; ++t) kt[d * ps + t] = 0.0f;
-      std::fill(vb + count * D, vb + ps * D, 0.0f);
+        for (int t = count; t < ps; ++t) kbuf[d * ps + t] = 0.0f;
+      std::fill(vbuf + count * D, vbuf + ps * D, 0.0f);
+      kt = kbuf;
+      vb = vbuf;
     }
     // Rows are in position order: those before the page's first key see none of it.
     const int64_t first_row = std::max<int64_t>(0, t0 - first_pos) * G;
@@ -339,16 +351,17 @@ ffi::Error RaggedPagedAttentionImpl(
   const auto qd = q.dimensions();
   const auto kd = k_cache.dimensions();
   if (qd.size() != 3 || kd.size() != 5) {
-    return ffi::Error::InvalidArgument("q must be [T, Hq, D] and the caches [L, N, ps, Hkv, D]");
+    return ffi::Error::InvalidArgument("q must be [T, Hq, D] and the caches 5-D (head-major)");
   }
   const int64_t num_tokens = qd[0], num_q_heads = qd[1], head_dim = qd[2];
-  const int64_t num_kv_heads = kd[3];
+  const int64_t num_kv_heads = kd[2];
   const int64_t num_seq_slots = kv_lens.dimensions()[0];
   const ffi::DataType dtype = k_cache.element_type();
   const bool quantized = dtype == ffi::DataType::S8;
   Problem p;
   p.q = q.typed_data();
   p.out = out->typed_data();
+  // k: [L, N, Hkv, D, ps], v: [L, N, Hkv, ps, D] (head-major)
   p.k = CacheView{k_cache.untyped_data(), quantized ? k_scale.typed_data() : nullptr, dtype,
                   kd[1], kd[2], kd[3], kd[4]};
   p.v = CacheView{v_cache.untyped_data(), quantized ? v_scale.typed_data() : nullptr, dtype,
@@ -356,7 +369,7 @@ ffi::Error RaggedPagedAttentionImpl(
   p.num_q_heads = num_q_heads;
   p.head_dim = head_dim;
   p.group = num_q_heads / num_kv_heads;
-  p.page_size = kd[2];
+  p.page_size = kd[4];
   p.pages_per_seq = page_indices.dimensions()[1];
   p.layer = layer.typed_data()[0];
   p.kv_lens = kv_lens.typed_data();

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import Backend
-from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache
+from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache, quantize_kv
 from jaxinfer.ops.xla_attention import ragged_paged_attention_xla
 from jaxinfer.quant import QuantizedWeight
 from jaxinfer.quant import quantized_matmul as quantized_matmul_xla
@@ -55,7 +55,21 @@ def resolve_backend(backend: str) -> str:
         if platform == "gpu":
             return "pallas"
         return "cpu" if platform == "cpu" and cpu_attention.available() else "xla"
+    if backend == "cpu" and not cpu_attention.available():
+        raise ValueError("backend='cpu' needs the CPU kernels, which do not build here (a C++ "
+                         "compiler and a CPU platform); use 'xla'")
     return backend
+
+
+def head_major_cache(backend: str) -> bool:
+    """Whether a step on this backend keeps its KV cache head-major (ops.kv_cache.KVCache): the
+    CPU kernels read it so, the XLA path and the Pallas kernels token-major."""
+    return resolve_backend(backend) == "cpu"
+
+
+def cache_page_size(cache: KVCache, backend: str) -> int:
+    """Tokens per page of a cache the step on `backend` reads (its layout: `head_major_cache`)."""
+    return cache.k.shape[4] if head_major_cache(backend) else cache.k.shape[2]
 
 
 def unrolled_layers_faster() -> bool:
@@ -82,9 +96,12 @@ def write_kv(cache: KVCache, layer, k: jax.Array, v: jax.Array, slot_mapping: ja
     cache gets each token's K/V quantized per head and its scales written at the same place."""
     if not cache.quantized:
         k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
+    backend = resolve_backend(backend)
+    if backend == "cpu":
+        return _write_kv_head_major(cache, layer, k, v, slot_mapping)
     args = (cache.k, cache.v, layer, k, v, slot_mapping)
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
-    if resolve_backend(backend) == "pallas":
+    if backend == "pallas":
         try:
             return KVCache(*write_kv_pallas(*args, **scales, interpret=_interpret()))
         except NotImplementedError as e:
@@ -92,14 +109,29 @@ def write_kv(cache: KVCache, layer, k: jax.Array, v: jax.Array, slot_mapping: ja
     return KVCache(*write_kv_xla(*args, **scales))
 
 
+def _write_kv_head_major(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
+    """The XLA scatter into a head-major cache (K [L, N, Hkv, D, ps], V [L, N, Hkv, ps, D])."""
+    page_size = cache.k.shape[4]
+    pages, offsets = slot_mapping // page_size, slot_mapping % page_size  # i32[T]
+    if not cache.quantized:  # k, v: [T, Hkv, D]; the indexed dims come first: [T, Hkv, D] both
+        return KVCache(k=cache.k.at[layer, pages, :, :, offsets].set(k),
+                       v=cache.v.at[layer, pages, :, offsets, :].set(v))
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)  # int8[T, Hkv, D], f32[T, Hkv]
+    return KVCache(k=cache.k.at[layer, pages, :, :, offsets].set(kq),
+                   v=cache.v.at[layer, pages, :, offsets, :].set(vq),
+                   k_scale=cache.k_scale.at[layer, pages, :, offsets].set(ks),
+                   v_scale=cache.v_scale.at[layer, pages, :, offsets].set(vs))
+
+
 def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
                            backend: str = "auto", k_scale=None, v_scale=None) -> jax.Array:
     """Causal attention of a flat ragged batch of new tokens over the paged cache.
 
-    q: [T, Hq, D]; k_cache, v_cache: [L, N, ps, Hkv, D]; layer: i32[]; returns [T, Hq, D] in
-    q.dtype. k_scale, v_scale: f32[L, N, ps, Hkv] exactly when the caches are int8. Rows of
-    padding tokens (past cu_q_lens[-1]) are zero.
+    q: [T, Hq, D]; k_cache, v_cache: the whole stacked cache, token-major [L, N, ps, Hkv, D], or
+    head-major on the "cpu" backend (KVCache); layer: i32[]; returns [T, Hq, D] in q.dtype.
+    k_scale, v_scale: exactly when the caches are int8. Rows of padding tokens (past
+    cu_q_lens[-1]) are zero.
     """
     if (k_scale is None) != (v_scale is None) or (k_scale is None) != (k_cache.dtype != "int8"):
         raise ValueError(f"{k_cache.dtype=}: k_scale and v_scale must be given exactly for int8 "
@@ -107,13 +139,10 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                    k_scale=k_scale, v_scale=v_scale)
     backend = resolve_backend(backend)
-    if backend == "cpu":
-        try:
-            return cpu_attention.ragged_paged_attention(
-                q, k_cache, v_cache, layer, md.kv_lens, md.page_indices, md.cu_q_lens,
-                md.num_seqs, **options)
-        except NotImplementedError as e:
-            _fall_back("ragged_paged_attention (cpu)", e)
+    if backend == "cpu":  # a head-major cache: no XLA fallback reads it
+        return cpu_attention.ragged_paged_attention(
+            q, k_cache, v_cache, layer, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+            **options)
     if backend == "pallas":
         try:
             return ragged_paged_attention_pallas(

@@ -22,20 +22,18 @@ KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 
 
 class KVCache(NamedTuple):
-    """Stacked over layers; donated into the step and returned (updated in place)."""
+    """Stacked over layers; donated into the step and returned (updated in place).
 
-    k: jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
-    v: jax.Array  # [num_layers, num_pages, page_size, num_kv_heads, head_dim]
-    k_scale: jax.Array | None = None  # f32[num_layers, num_pages, page_size, num_kv_heads]; int8 only
-    v_scale: jax.Array | None = None  # f32[num_layers, num_pages, page_size, num_kv_heads]; int8 only
+    Token-major (the XLA path and the Pallas kernels): K and V [L, N, page_size, Hkv, D], scales
+    [L, N, page_size, Hkv]. Head-major (the CPU kernels, which read a KV head's part of a page as
+    one block): K [L, N, Hkv, D, page_size] (each page's keys transposed), V [L, N, Hkv,
+    page_size, D], scales [L, N, Hkv, page_size]. The step's attention backend fixes which one a
+    cache is (`allocate_kv_cache(head_major=...)`, `ops.head_major_cache`)."""
 
-    @property
-    def num_pages(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def page_size(self) -> int:
-        return self.k.shape[2]
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array | None = None  # f32, int8 caches only
+    v_scale: jax.Array | None = None
 
     @property
     def quantized(self) -> bool:
@@ -67,14 +65,23 @@ def kv_cache_bytes_per_page(config: ModelConfig, page_size: int, dtype) -> int:
     return 2 * values * per_token_head
 
 
-def allocate_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype) -> KVCache:
-    """Zero-filled (never jnp.empty: NaN in a masked page still poisons a sum). dtype int8 adds
-    the f32 scales (zero: a never-written slot dequantizes to 0)."""
+def allocate_kv_cache(config: ModelConfig, num_pages: int, page_size: int, dtype, *,
+                      head_major: bool = False) -> KVCache:
+    """Zero-filled (never jnp.empty: NaN in a masked page still poisons a sum), token-major or
+    head-major (see KVCache). dtype int8 adds the f32 scales (zero: a never-written slot
+    dequantizes to 0)."""
     if num_pages < 2:
         raise ValueError(f"{num_pages=} must be at least 2 (page 0 is the null page)")
     dtype = _check_dtype(dtype)
-    shape = (config.num_layers, num_pages, page_size, config.num_kv_heads, config.head_dim)
+    lead = (config.num_layers, num_pages)
+    hkv, d, ps = config.num_kv_heads, config.head_dim, page_size
+    if head_major:
+        k_shape, v_shape, scale_shape = lead + (hkv, d, ps), lead + (hkv, ps, d), lead + (hkv, ps)
+    else:
+        k_shape = v_shape = lead + (ps, hkv, d)
+        scale_shape = lead + (ps, hkv)
+    k, v = jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype)
     if dtype != jnp.int8:
-        return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                   k_scale=jnp.zeros(shape[:4], SCALE_DTYPE), v_scale=jnp.zeros(shape[:4], SCALE_DTYPE))
+        return KVCache(k=k, v=v)
+    return KVCache(k=k, v=v, k_scale=jnp.zeros(scale_shape, SCALE_DTYPE),
+                   v_scale=jnp.zeros(scale_shape, SCALE_DTYPE))

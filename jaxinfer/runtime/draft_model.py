@@ -77,7 +77,7 @@ def propose_drafts(
     none), draft_kv, q_store with the sampled rows' q)."""
     _, draft_kv = draft_model(input_ids, positions, draft_kv, md, attention_backend=attention_backend)
     num_seqs, pages_per_seq = md.page_indices.shape
-    page_size = draft_kv.k.shape[2]
+    page_size = ops.cache_page_size(draft_kv, attention_backend)
     k = q_store.shape[1]
     last_row = draft.seq_rows + num_accepted  # i32[S]
     seq_md = gather_rows(sampling._replace(
@@ -134,7 +134,8 @@ class DraftModel:
             module.unroll_layers()
         graphdef, state = nnx.split(module)
         kv_dtype = engine_config.kv_cache_dtype or engine_config.dtype
-        kv_cache = allocate_kv_cache(config, num_pages, engine_config.page_size, kv_dtype)
+        kv_cache = allocate_kv_cache(config, num_pages, engine_config.page_size, kv_dtype,
+                                     head_major=ops.head_major_cache(engine_config.attention_backend))
         q_store = jnp.zeros((engine_config.max_num_seqs, engine_config.num_speculative_tokens,
                              config.vocab_size), jnp.float32)
         return cls(config, graphdef, state, kv_cache, q_store)

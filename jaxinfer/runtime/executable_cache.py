@@ -46,8 +46,11 @@ _ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "NVIDIA_TF32_OVERRIDE")
 
 
 def _source_files() -> list[Path]:
+    """The code a compiled step depends on: the Python that traces it, and the CPU kernels' sources
+    (their custom calls' operands and attributes are fixed when the step is lowered)."""
     root = Path(__file__).resolve().parents[2]
-    return sorted(p for pkg in ("jaxinfer", "pallas_kernels") for p in (root / pkg).rglob("*.py"))
+    return sorted(p for pkg in ("jaxinfer", "pallas_kernels", "cpu_kernels")
+                  for pattern in ("*.py", "*.cc", "*.h") for p in (root / pkg).rglob(pattern))
 
 
 def environment_fingerprint() -> str:

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxinfer import ops
 from jaxinfer.config import EngineConfig, ModelConfig
+from cpu_kernels.ragged_paged_attention import MAX_PAGE_SIZE as MAX_CPU_PAGE_SIZE
 from jaxinfer.ops.kv_cache import allocate_kv_cache
 from jaxinfer.runtime.draft_model import DraftModel
 from jaxinfer.runtime.executable_cache import ExecutableCache
@@ -45,7 +46,12 @@ class ModelRunner:
         self._step = (make_jitted_step(graphdef) if draft is None
                       else make_jitted_draft_step(graphdef, draft.graphdef))
         kv_dtype = engine_config.kv_cache_dtype or engine_config.dtype
-        self.kv_cache = allocate_kv_cache(model_config, num_pages, engine_config.page_size, kv_dtype)
+        head_major = ops.head_major_cache(self.attention_backend)
+        if head_major and engine_config.page_size > MAX_CPU_PAGE_SIZE:
+            raise ValueError(f"page_size={engine_config.page_size} is larger than the CPU attention "
+                             f"kernel takes ({MAX_CPU_PAGE_SIZE}); use attention_backend='xla'")
+        self.kv_cache = allocate_kv_cache(model_config, num_pages, engine_config.page_size, kv_dtype,
+                                          head_major=head_major)
         self._seen_signatures: set[tuple] = set()
         self._executables: dict[tuple, jax.stages.Compiled] = {}  # compiled ahead (compile())
         self._executable_cache = ExecutableCache.from_jax_config()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels import build
-from cpu_kernels.ragged_paged_attention import available, ragged_paged_attention
+from cpu_kernels.ragged_paged_attention import available, ragged_paged_attention, to_head_major
 from pallas_kernels.kv_write import quantize_kv
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 from tests.kernels.paged_batches import layout, make_paged_batch, naive_attention, rel_err
@@ -29,11 +29,18 @@ def kernel_built():
     assert available(), "the CPU kernel did not build (is a C++ compiler installed?)"
 
 
+def kernel(b, layer, **kw):
+    """The kernel on a test batch (token-major caches and scales, as the reference takes them)."""
+    k, v, ks, vs = to_head_major(b.k_cache, b.v_cache, kw.pop("k_scale", None),
+                                 kw.pop("v_scale", None))
+    if ks is not None:
+        kw.update(k_scale=ks, v_scale=vs)
+    return ragged_paged_attention(b.q, k, v, layer, *layout(b), **kw)
+
+
 def run(batch, layer=LAYER, **kw):
     sm_scale = 1.0 / math.sqrt(batch.q.shape[-1])
-    out = jax.jit(lambda q, k, v, *md: ragged_paged_attention(q, k, v, jnp.int32(layer), *md,
-                                                              sm_scale=sm_scale, **kw))(
-        batch.q, batch.k_cache, batch.v_cache, *layout(batch))
+    out = jax.jit(lambda b: kernel(b, jnp.int32(layer), sm_scale=sm_scale, **kw))(batch)
     assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
     out = np.asarray(out, np.float32)
     assert not np.isnan(out).any()
@@ -124,18 +131,24 @@ def _small_batch():
 def test_validation(change, match):
     b = change(_small_batch())
     with pytest.raises(ValueError, match=match):
+        kernel(b, 0, sm_scale=0.1)
+
+
+def test_token_major_caches_are_refused():
+    b = _small_batch()
+    with pytest.raises(ValueError, match="head-major"):
         ragged_paged_attention(b.q, b.k_cache, b.v_cache, 0, *layout(b), sm_scale=0.1)
 
 
 def test_int8_needs_scales_and_large_pages_are_refused():
     b = _small_batch()
     with pytest.raises(ValueError, match="k_scale"):
-        ragged_paged_attention(b.q, b.k_cache.astype(jnp.int8), b.v_cache.astype(jnp.int8), 0,
-                               *layout(b), sm_scale=0.1)
+        kernel(b._replace(k_cache=b.k_cache.astype(jnp.int8), v_cache=b.v_cache.astype(jnp.int8)),
+               0, sm_scale=0.1)
     big = make_paged_batch(0, q_lens=[1], kv_lens=[3], page_size=128, head_dim=16,
                            num_kv_heads=1, group=1)
     with pytest.raises(NotImplementedError, match="page_size"):
-        ragged_paged_attention(big.q, big.k_cache, big.v_cache, 0, *layout(big), sm_scale=0.1)
+        kernel(big, 0, sm_scale=0.1)
 
 
 def test_binary_cache_key_follows_the_source(tmp_path, monkeypatch):
