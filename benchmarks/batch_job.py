@@ -23,7 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
-from serve.batch import run_batch_with  # noqa: E402
+from serve.batch import BatchOptions, run_batch_with  # noqa: E402
 
 
 def main() -> None:
@@ -53,7 +53,9 @@ def main() -> None:
             return sum(len(o.outputs[0].token_ids) for o in outs)
 
         def via_batch() -> int:
-            assert run_batch_with(llm.engine, inp, out, use_tqdm=False) == 0
+            if os.path.exists(out):
+                os.remove(out)  # else the job resumes: every line is answered already
+            assert run_batch_with(llm.engine, inp, out, BatchOptions(progress=False)) == 0
             with open(out) as f:
                 rows = [json.loads(ln) for ln in f]
             return sum(r["response"]["body"]["usage"]["completion_tokens"] for r in rows)

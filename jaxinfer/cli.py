@@ -1,7 +1,7 @@
 """The `jaxinfer` command: generate, serve, batch, quantize, eval-ppl.
 
 The engine flags of every subcommand are generated from EngineConfig (jaxinfer/config_args.py);
-`serve` and `batch` are the server package's own entry points (serve/cli.py, serve/batch.py).
+`serve` and `batch` are the server package's own entry points (serve/cli.py, serve/batch_cli.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from jaxinfer.llm import LLM
 from jaxinfer.models.loader import quantize_checkpoint
 from jaxinfer.models.perplexity import eval_ppl
 from jaxinfer.sampling_params import SamplingParams
-from serve.batch import run_batch
+from serve.batch_cli import add_batch_args, run_batch_command
 from serve.cli import DEFAULT_MODEL, add_serve_args, run_serve
 
 # `generate` prints whole answers to a person: the API's default (DEFAULT_MAX_TOKENS, 16) would
@@ -58,7 +58,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    return run_batch(args.input, args.output, args.model, engine_kwargs(args))
+    return run_batch_command(args)
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
@@ -103,10 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("batch", help="run a JSONL file of requests (OpenAI batch lines or {prompt|messages, ...})")
-    p.add_argument("input")
-    p.add_argument("output")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    add_engine_args(p)
+    add_batch_args(p)
     p.set_defaults(func=cmd_batch)
 
     p = sub.add_parser("quantize", help="save a pre-quantized checkpoint (orbax) that loads fast")

@@ -1,172 +1,175 @@
-"""Batch jobs over JSONL files, answered by the OpenAI server's own routes (in process).
+"""Batch jobs over JSONL files, answered by the OpenAI server's own routes (in process), safe to
+kill at any moment and rerun.
 
-Each input line is either an OpenAI batch line
-  {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...], ...}}
-or a plain request {"id"?: ..., "prompt" | "messages": ..., "max_tokens"?: ..., "temperature"?: ...}.
+    jaxinfer batch requests.jsonl results.jsonl --model smollm2-135m
 
-Every line goes through the same validation, chat template, sampling and response building as
-`jaxinfer serve` (n, logprobs, echo, logit_bias, stop, seed...), over one continuous batch: the
-lines are posted to the app through httpx's ASGI transport, many at once, so the engine keeps its
-batch full. The model named in a line is ignored: the job runs the model it was given.
+Every line (serve/batch_input.py: OpenAI batch lines or plain {prompt | messages} requests) goes
+through the same validation, chat template, sampling and response building as `jaxinfer serve`
+(n, logprobs, echo, logit_bias, stop, seed...), over one continuous batch: the lines are posted to
+the app through httpx's ASGI transport, many at once, so the engine keeps its batch full. The
+model named in a line is ignored: the job runs the model it was given.
 
-Output, one line per input line, in input order:
-- an OpenAI batch line gets OpenAI's batch output line
-  {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}
-  (a 4xx answer is a response with that status; a line that cannot be read gets "error");
-- a plain line gets {"custom_id", "text", "finish_reason", "usage"} (the first choice), or
-  {"custom_id", "error": {"message", "line"}}.
-A bad line never stops the job; the exit code is 1 when some line failed.
+Each answer (serve/batch_rows.py) is appended to the output and flushed as soon as its request
+finishes, so the output is in completion order, not input order (sort by custom_id if that
+matters), and a killed job loses only the requests still running. Run the same command again to
+finish the job: the lines already answered (by custom_id) are skipped, a torn last line is cut
+away and redone (serve/batch_output.py). Answers that are errors count as answered: remove their
+lines from the output to retry them. A line that fails, even one whose handling raises inside the
+app, gets an error line of its own and the job goes on. Exit status: 0 when every line has an
+answer that is not an error, 1 when some are errors (2, from the command, on bad usage).
 
-It lives with the server because it is a client of the server's app; it builds the engine itself
-(`LLMEngine`), not through the Python API (`jaxinfer.llm`), which is the app's sibling, not its base.
+It lives with the server because it is a client of the server's app; the command
+(serve/batch_cli.py) builds the engine itself (`LLMEngine`), not through the Python API
+(`jaxinfer.llm`), which is the app's sibling, not its base.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import sys
-import uuid
-from typing import Any
+from collections.abc import Callable
 
 import httpx
-from tqdm.auto import tqdm
 
-from jaxinfer.engine import EngineClient, LLMEngine
+from jaxinfer.engine import EngineClient
 from jaxinfer.engine.async_engine import AsyncEngine
 from serve.app import create_app
+from serve.batch_input import BadLine, BatchLine, read_lines
+from serve.batch_output import ResultFile
+from serve.batch_progress import Progress, Summary
+from serve.batch_rows import answer_row, error_row
 
-_URLS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+MODEL_NAME = "batch"  # the model name the job's requests carry (the app serves only this one)
 _RETRY_S = 0.05  # a 503 (waiting queue full) is retried after this long
 
 
 @dataclasses.dataclass(frozen=True)
-class BatchLine:
-    index: int
-    custom_id: str
-    kind: str  # "chat" | "completion"
-    body: dict
-    openai: bool  # an OpenAI batch line (else a plain request)
+class BatchOptions:
+    max_in_flight: int = 1024  # lines posted at once; the rest wait their turn
+    sync_interval_s: float = 1.0  # an answer is fsynced at most this long after it is written
+    progress: bool = True  # the tqdm bar on stderr
+
+    def __post_init__(self):
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight={self.max_in_flight} must be at least 1")
+        if self.sync_interval_s < 0:
+            raise ValueError(f"sync_interval_s={self.sync_interval_s} must not be negative")
 
 
-def line_identity(obj: Any, index: int) -> tuple[str, bool]:
-    """(custom_id, whether it is an OpenAI batch line) of a line's parsed JSON, even a bad one."""
-    if not isinstance(obj, dict):
-        return str(index), False
-    if "body" in obj:
-        return str(obj.get("custom_id", index)), True
-    return str(obj.get("id", obj.get("custom_id", index))), False
+def run_batch(input_path: str, output_path: str, make_engine: Callable[[], EngineClient],
+              options: BatchOptions = BatchOptions()) -> int:
+    """Runs the lines of `input_path` not yet answered in `output_path` through the engine that
+    `make_engine` builds, called only when some line is left; returns the exit status (0 or 1).
+    ValueError on bad usage (no input file, the output a directory or in use by another job...).
+    The engine must not be used by anyone else meanwhile (the job drives it from its own thread)."""
+    lines = _read_input(input_path, output_path)
+    with ResultFile(output_path, sync_interval_s=options.sync_interval_s) as out:
+        keys = {line.custom_id for line in lines}
+        pending = [line for line in lines if line.custom_id not in out.answers]
+        already_done = len(lines) - len(pending)
+        unknown = sum(key not in keys for key in out.answers)
+        requests = [line for line in pending if isinstance(line, BatchLine)]
+        for line in pending:
+            if isinstance(line, BadLine):  # answered without an engine
+                out.write(error_row(line.custom_id, line.code, line.message))
+        if requests:
+            engine = make_engine()
+            progress = Progress(len(lines), len(lines) - len(requests), enabled=options.progress)
+            try:
+                asyncio.run(_serve_lines(engine, requests, out, progress, options))
+            finally:
+                progress.close()
+        summary = Summary(total=len(lines),
+                          done_now=sum(k in out.answers for k in keys) - already_done,
+                          already_done=already_done,
+                          failed=sum(out.answers.get(k, False) for k in keys),
+                          torn_bytes=out.torn_bytes, unknown=unknown)
+    print(summary.line(output_path), file=sys.stderr)
+    return summary.exit_status
 
 
-def parse_line(obj: Any, index: int) -> BatchLine:
-    """A line's parsed JSON -> BatchLine; ValueError naming what is wrong with it."""
-    if not isinstance(obj, dict):
-        raise ValueError("a line must be a JSON object")
-    custom_id, openai = line_identity(obj, index)
-    if openai:
-        body = obj["body"]
-        url = obj.get("url", _URLS["chat"])
-        if url not in _URLS.values():
-            raise ValueError(f"url {url!r} must be one of {sorted(_URLS.values())}")
-        kind = "chat" if url == _URLS["chat"] else "completion"
-        if not isinstance(body, dict):
-            raise ValueError("'body' must be a JSON object")
-    else:
-        body = obj
-        kind = "chat" if "messages" in obj else "completion"
-    if kind == "chat" and "messages" not in body:
-        raise ValueError("a chat line needs 'messages'")
-    if kind == "completion" and "prompt" not in body:
-        raise ValueError("a completion line needs 'prompt'")
-    return BatchLine(index, custom_id, kind, body, openai)
+def run_batch_with(engine: EngineClient, input_path: str, output_path: str,
+                   options: BatchOptions = BatchOptions()) -> int:
+    """`run_batch` over an engine built already."""
+    return run_batch(input_path, output_path, lambda: engine, options)
 
 
-def run_batch(input_path: str, output_path: str, model: str, engine_kwargs: dict) -> int:
-    """`jaxinfer batch`: builds the engine for `model` (EngineConfig fields in `engine_kwargs`)
-    and runs the file through it (see run_batch_with)."""
+def _read_input(input_path: str, output_path: str) -> list[BatchLine | BadLine]:
     if not os.path.isfile(input_path):
-        raise ValueError(f"input file {input_path!r} does not exist")
-    return run_batch_with(LLMEngine(model, **engine_kwargs), input_path, output_path)
+        raise ValueError(f"input file {input_path!r} does not exist"
+                         if not os.path.exists(input_path) else
+                         f"input {input_path!r} is not a file")
+    if os.path.exists(output_path) and os.path.samefile(input_path, output_path):
+        raise ValueError("the output file must not be the input file")
+    try:
+        return read_lines(input_path)
+    except OSError as e:
+        raise ValueError(f"cannot read the input {input_path!r}: {e.strerror}") from None
 
 
-def run_batch_with(engine: EngineClient, input_path: str, output_path: str, *,
-                   use_tqdm: bool = True, max_in_flight: int = 1024) -> int:
-    """Runs every line of `input_path` through `engine`; returns 0, or 1 when some line failed.
-    At most `max_in_flight` lines are posted at once (the rest wait their turn). The engine must
-    not be used by anyone else meanwhile (the job drives it from a thread of its own)."""
-    with open(input_path) as f:
-        lines = [ln for ln in f if ln.strip()]
-    results = asyncio.run(_run(engine, lines, use_tqdm, max_in_flight))
-    with open(output_path, "w") as f:
-        for r in results:
-            f.write(json.dumps(r) + "\n")
-    num_errors = sum(_failed(r) for r in results)
-    print(f"{len(lines) - num_errors} done, {num_errors} failed -> {output_path}", file=sys.stderr)
-    return 0 if num_errors == 0 else 1
-
-
-async def _run(engine: EngineClient, lines: list[str], use_tqdm: bool,
-               max_in_flight: int) -> list[dict]:
-    model_name = "batch"
-    async_engine = AsyncEngine(engine, max_waiting=max(max_in_flight, 1), warmup=False)
-    app = create_app(async_engine, served_model_name=model_name)
-    slots = asyncio.Semaphore(max_in_flight)
+async def _serve_lines(engine: EngineClient, lines: list[BatchLine], out: ResultFile,
+                       progress: Progress, options: BatchOptions) -> None:
+    async_engine = AsyncEngine(engine, max_waiting=options.max_in_flight, warmup=False)
+    app = create_app(async_engine, served_model_name=MODEL_NAME)
     await async_engine.wait_ready()
     try:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://batch",
-                                     timeout=None) as client:
-            with tqdm(total=len(lines), desc="batch", disable=not use_tqdm) as bar:
-
-                async def one(i: int, text: str) -> dict:
-                    async with slots:
-                        result = await _answer(client, i, text, model_name)
-                    bar.update(1)
-                    return result
-
-                return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(lines))))
+        await post_lines(app, lines, out, progress, max_in_flight=options.max_in_flight)
     finally:
         await async_engine.shutdown()
 
 
-async def _answer(client, index: int, text: str, model_name: str) -> dict:
-    obj = None
+async def post_lines(app, lines: list[BatchLine], out: ResultFile,
+                     progress: Progress | None = None, *, max_in_flight: int = 1024) -> None:
+    """Posts every line to the ASGI `app` (at most `max_in_flight` at once), writing each answer
+    to `out` as it comes. A line whose handling fails, the app raising included, is answered with
+    an error line; only a failure to write the output stops the job."""
+
+    def write(row: dict) -> None:
+        out.write(row)
+        if progress is not None:
+            progress.update(row)
+
+    todo = iter(lines)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://batch",
+                                 timeout=None) as client:
+
+        async def worker() -> None:
+            for line in todo:  # shared: each line goes to the first worker free
+                write(await _answer(client, line))
+
+        async def sync_on_time() -> None:  # an answer written is fsynced in time, even when
+            while True:                       # no other answer follows it for a while
+                await asyncio.sleep(out.sync_interval_s)
+                out.sync_due()
+
+        syncer = asyncio.create_task(sync_on_time()) if out.sync_interval_s > 0 else None
+        try:
+            await asyncio.gather(*(worker() for _ in range(min(max_in_flight, len(lines)))))
+        finally:
+            if syncer is not None:
+                syncer.cancel()
+
+
+async def _answer(client: httpx.AsyncClient, line: BatchLine) -> dict:
     try:
-        obj = json.loads(text)
-        line = parse_line(obj, index)
-    except (ValueError, KeyError) as e:  # json.JSONDecodeError is a ValueError
-        custom_id, openai = line_identity(obj, index)
-        if openai:
-            return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
-                    "response": None, "error": {"code": "invalid_request", "message": str(e)}}
-        return {"custom_id": custom_id, "error": {"message": str(e), "line": index + 1}}
-    body = {**line.body, "model": model_name, "stream": False}
-    body.pop("stream_options", None)
-    while True:
-        r = await client.post(_URLS[line.kind], json=body)
-        if r.status_code != 503:
-            break
-        await asyncio.sleep(_RETRY_S)  # the waiting queue is full: the engine is busy
-    answer = r.json()
-    if line.openai:
-        return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
-                "response": {"status_code": r.status_code, "request_id": answer.get("id"),
-                             "body": answer},
-                "error": None}
-    if r.status_code != 200:
-        return {"custom_id": line.custom_id,
-                "error": {"message": answer["error"]["message"], "line": index + 1}}
-    choice = answer["choices"][0]
-    return {"custom_id": line.custom_id,
-            "text": choice["message"]["content"] if line.kind == "chat" else choice["text"],
-            "finish_reason": choice["finish_reason"],
-            "usage": {k: answer["usage"][k] for k in ("prompt_tokens", "completion_tokens")}}
-
-
-def _failed(result: dict) -> bool:
-    if result.get("error") is not None:
-        return True
-    response = result.get("response")
-    return response is not None and response["status_code"] != 200
+        body = {**line.body, "model": MODEL_NAME, "stream": False}
+        body.pop("stream_options", None)
+        while True:
+            r = await client.post(line.url, json=body)
+            if r.status_code != 503:
+                break
+            await asyncio.sleep(_RETRY_S)  # the waiting queue is full: the engine is busy
+        try:
+            answer = r.json()
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            return error_row(line.custom_id, "internal_error",
+                             f"the server answered {r.status_code} without a JSON object: "
+                             f"{r.text[:200]!r}")
+        return answer_row(line, r.status_code, answer)
+    except Exception as e:  # noqa: BLE001 - one line's failure is that line's answer
+        return error_row(line.custom_id, "internal_error", f"{type(e).__name__}: {e}")
