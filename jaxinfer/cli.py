@@ -2,12 +2,15 @@
 
 The engine flags of every subcommand are generated from EngineConfig (jaxinfer/config_args.py);
 `serve` and `batch` are the server package's own entry points (serve/cli.py, serve/batch_cli.py).
+
+Logging (serve/logs.py): `serve` logs at INFO (start-up, warm-up, ready, a line per request);
+`generate` and `batch` print only their results and errors unless -v, which shows the same
+start-up lines on stderr; --log-level (before the command, or after `serve`) sets the level.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import textwrap
@@ -21,6 +24,7 @@ from jaxinfer.models.perplexity import eval_ppl
 from jaxinfer.sampling_params import SamplingParams
 from serve.batch_cli import add_batch_args, run_batch_command
 from serve.cli import DEFAULT_MODEL, add_serve_args, run_serve
+from serve.logs import LEVELS, configure_logging, log_level_arg
 
 # `generate` prints whole answers to a person: the API's default (DEFAULT_MAX_TOKENS, 16) would
 # cut most of them off mid-sentence.
@@ -90,13 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference on JAX/XLA",
                                      epilog=epilog,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", type=log_level_arg, choices=LEVELS, default=None,
+                        help="default: INFO for serve (and with -v), WARNING otherwise")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="generate text for prompts")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--prompt", action="append", help="may be given several times")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    _add_verbose(p)
     # --seed here is the requests' seed (sampling), which is what EngineConfig.seed stands in for
     add_engine_args(p, exclude=("seed",))
     add_sampling_args(p)
@@ -104,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("batch", help="run a JSONL file of requests (OpenAI batch lines or {prompt|messages, ...})")
     add_batch_args(p)
+    _add_verbose(p)
     p.set_defaults(func=cmd_batch)
 
     p = sub.add_parser("quantize", help="save a pre-quantized checkpoint (orbax) that loads fast")
@@ -125,10 +132,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_verbose(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log the start-up (model, KV pool, warm-up) on stderr")
+
+
+def log_level(args: argparse.Namespace) -> str:
+    """--log-level if given, else INFO for serve and with -v, else WARNING (serve/logs.py)."""
+    if args.log_level is not None:
+        return args.log_level
+    return "INFO" if args.command == "serve" or getattr(args, "verbose", False) else "WARNING"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level(args))
     try:
         return args.func(args)
     except ValueError as e:

@@ -3,10 +3,12 @@ the error handlers.
 
     app = create_app(async_engine, api_key=None, served_model_name="smollm2-135m")
 
-Routes: POST /v1/completions (serve/completions.py), POST /v1/chat/completions (serve/chat.py),
-both with `stream` (serve/streaming.py); GET /v1/models, GET /health, GET /metrics, POST /tokenize,
-POST /detokenize (serve/info.py). Every error has OpenAI's shape (serve/errors.py). The app's state
-is the one `ServerState` made here, handed to each route.
+Routes (ENDPOINTS): POST /v1/completions (serve/completions.py), POST /v1/chat/completions
+(serve/chat.py), both with `stream` (serve/streaming.py); GET /v1/models, GET /health, GET /metrics,
+POST /tokenize, POST /detokenize (serve/info.py); GET /openapi.json, the request schemas of these
+routes (serve/openapi.py). Every error has OpenAI's shape (serve/errors.py); with
+`access_log=True` (`jaxinfer serve`) each request gets one access log line (serve/access_log.py).
+The app's state is the one `ServerState` made here, handed to each route.
 """
 
 from __future__ import annotations
@@ -26,20 +28,40 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jaxinfer.engine.async_engine import AsyncEngine
 from serve import DEFAULT_MAX_BODY_BYTES, info
+from serve.access_log import AccessLogMiddleware
 from serve.chat import chat_completions
 from serve.completions import completions
 from serve.errors import APIError
 from serve.metrics import ServerMetrics
+from serve.openapi import Operation, openapi_document, openapi_json
+from serve.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from serve.state import ServerState, TokenTexts
 
 logger = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health",)  # answered without the API key (load balancers probe it)
 
+# (path, method, handler, the JSON request body's schema): the routes and their OpenAPI document
+ENDPOINTS = (
+    ("/v1/completions", "POST", completions, CompletionRequest),
+    ("/v1/chat/completions", "POST", chat_completions, ChatCompletionRequest),
+    ("/v1/models", "GET", info.models, None),
+    ("/v1/models/{model:path}", "GET", info.model, None),
+    ("/health", "GET", info.health, None),
+    ("/metrics", "GET", info.metrics, None),
+    ("/tokenize", "POST", info.tokenize, TokenizeRequest),
+    ("/detokenize", "POST", info.detokenize, DetokenizeRequest),
+)
+
 
 def create_app(async_engine: AsyncEngine, *, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, served_model_name: str = "jaxinfer",
-               shutdown_timeout: float = 30.0) -> Starlette:
+               shutdown_timeout: float = 30.0, access_log: bool = False) -> Starlette:
     """The app over `async_engine`, which it starts with the app and shuts down (draining
     requests for up to `shutdown_timeout` seconds) when the app stops."""
     if max_body_bytes <= 0:
@@ -55,25 +77,25 @@ def create_app(async_engine: AsyncEngine, *, api_key: str | None = None,
         yield
         await async_engine.shutdown(timeout=shutdown_timeout)
 
-    def route(path: str, endpoint, method: str) -> Route:
-        return Route(path, functools.partial(endpoint, server), methods=[method])
-
-    routes = [
-        route("/v1/completions", completions, "POST"),
-        route("/v1/chat/completions", chat_completions, "POST"),
-        route("/v1/models", info.models, "GET"),
-        route("/v1/models/{model:path}", info.model, "GET"),
-        route("/health", info.health, "GET"),
-        route("/metrics", info.metrics, "GET"),
-        route("/tokenize", info.tokenize, "POST"),
-        route("/detokenize", info.detokenize, "POST"),
-    ]
+    routes = [Route(path, functools.partial(endpoint, server), methods=[method])
+              for path, method, endpoint, _ in ENDPOINTS]
+    document = openapi_document([Operation(path, method, _summary(endpoint), body)
+                                 for path, method, endpoint, body in ENDPOINTS])
+    routes.append(Route("/openapi.json", functools.partial(openapi_json, document),
+                        methods=["GET"]))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         HTTPException: _http_exception, Exception: _internal_error})
     app.state.server = server
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if access_log:  # added last: the outermost, so it logs the 401s too
+        app.add_middleware(AccessLogMiddleware)
     return app
+
+
+def _summary(endpoint) -> str:
+    """The first line of a handler's docstring."""
+    return (endpoint.__doc__ or "").strip().split("\n")[0]
 
 
 class APIKeyMiddleware:

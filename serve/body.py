@@ -1,6 +1,6 @@
 """Request bodies of the JSON routes: read with a size limit (413), parsed as one JSON object
-(400), validated by the route's schema (400 naming the field, serve/schemas.py) and checked
-against the served model's name (404)."""
+(400; NaN and Infinity are not JSON), validated by the route's strict schema (400 naming the
+field's path, serve/schemas.py) and checked against the served model's name (404)."""
 
 from __future__ import annotations
 
@@ -53,9 +53,14 @@ async def read_json(request: Request, max_body_bytes: int) -> Any:
     if not body:
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return json.loads(body, parse_constant=_not_json)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError and NaN/Infinity are ValueErrors
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _not_json(name: str):
+    """Python's json reads NaN, Infinity and -Infinity; JSON has no such numbers."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _too_large(max_body_bytes: int) -> APIError:

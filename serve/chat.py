@@ -24,6 +24,7 @@ ENDPOINT = "chat"  # the metrics label
 
 
 async def chat_completions(server: ServerState, request: Request) -> Response:
+    """The assistant's reply to a conversation, streamed or not."""
     t0 = time.monotonic()
     engine = server.engine
     try:

@@ -9,11 +9,17 @@ serialized steps beside it (runtime/executable_cache.py), so a second start neit
 traces; a GGUF model's converted weights and tokenizer are cached too (`~/.cache/jaxinfer`, see
 jaxinfer/disk_cache.py; JAXINFER_NO_CACHE=1 turns those off). SIGTERM/SIGINT: admissions stop at once (503), requests in flight
 finish (up to --shutdown-timeout seconds), then the process exits with status 0.
+
+It logs at INFO by default (serve/logs.py): the model, the KV pool, the warm-up's progress, one
+`ready: http://HOST:PORT (N executables, T s)` line once /health answers 200, and an access line
+per request (serve/access_log.py; uvicorn's own access log is off). --log-level and
+--no-access-log change that.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import ipaddress
@@ -34,6 +40,7 @@ from jaxinfer.engine import LLMEngine
 from jaxinfer.engine.async_engine import AsyncEngine
 from serve import DEFAULT_MAX_BODY_BYTES
 from serve.app import create_app
+from serve.logs import LEVELS, configure_logging, log_level_arg
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +83,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="do not read or write the compilation caches")
     g.add_argument("--no-warmup", action="store_true",
                    help="skip compiling every shape bucket before /health turns 200")
-    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--log-level", type=log_level_arg, choices=LEVELS, default=argparse.SUPPRESS,
+                   help="INFO (default): start-up, warm-up progress, ready, one line per request; "
+                        "DEBUG adds each compiled step shape")
+    g.add_argument("--no-access-log", action="store_true",
+                   help="no log line per request")
     add_engine_args(parser)
 
 
@@ -135,6 +146,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    started = time.monotonic()
     api_key = resolve_api_key(args)
     if not _is_loopback(args.host) and api_key is None:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it",
@@ -144,24 +156,36 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = engine_settings(args)
     t0 = time.perf_counter()
     engine = LLMEngine(args.model, tokenizer=args.tokenizer, **settings)
-    logger.info("engine built in %.1f s (%s)", time.perf_counter() - t0, settings)
+    logger.info("engine built in %.1f s%s", time.perf_counter() - t0,
+                f" ({settings})" if settings else "")
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, warmup=not args.no_warmup)
     app = create_app(async_engine, api_key=api_key, max_body_bytes=args.max_body_bytes,
                      served_model_name=args.served_model_name or served_name(args.model),
-                     shutdown_timeout=args.shutdown_timeout)
+                     shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log)
     serve_app(app, async_engine, host=args.host, port=args.port,
-              shutdown_timeout=args.shutdown_timeout, access_log=args.access_log)
+              shutdown_timeout=args.shutdown_timeout, started=started)
     return 0
 
 
 def serve_app(app, async_engine, *, host: str, port: int, shutdown_timeout: float = 30.0,
-              access_log: bool = False) -> None:
-    """Runs `app` under uvicorn until SIGTERM/SIGINT, then drains (see the module doc)."""
-    config = uvicorn.Config(app, host=host, port=port, lifespan="on", access_log=access_log,
-                            log_level=_uvicorn_log_level(),
-                            timeout_graceful_shutdown=shutdown_timeout + 5.0, timeout_keep_alive=30)
+              started: float | None = None) -> None:
+    """Runs `app` under uvicorn until SIGTERM/SIGINT, then drains (see the module doc).
+    `started` (time.monotonic()): when the process began, for the ready line's seconds."""
+    server = make_server(app, async_engine, host=host, port=port,
+                         shutdown_timeout=shutdown_timeout, started=started)
     with _drained_exit_is_clean():
-        _UvicornServer(config, async_engine).run()
+        server.run()
+
+
+def make_server(app, async_engine, *, host: str, port: int, shutdown_timeout: float = 30.0,
+                started: float | None = None) -> uvicorn.Server:
+    """The uvicorn server of `app`: logging left to ours (no log config of its own, its access
+    log off), the ready line once the engine is warm."""
+    config = uvicorn.Config(app, host=host, port=port, lifespan="on", access_log=False,
+                            log_config=None, timeout_graceful_shutdown=shutdown_timeout + 5.0,
+                            timeout_keep_alive=30)
+    return _UvicornServer(config, async_engine,
+                          started if started is not None else time.monotonic())
 
 
 @contextlib.contextmanager
@@ -180,30 +204,56 @@ def _drained_exit_is_clean():
             signal.signal(sig, handler)
 
 
-def _uvicorn_log_level() -> str:
-    level = logging.getLogger().getEffectiveLevel()
-    return "info" if level <= logging.INFO else "warning"
-
-
 class _UvicornServer(uvicorn.Server):
-    """Stops admissions the moment SIGTERM/SIGINT arrives; uvicorn then drains the connections."""
+    """Logs `ready: URL (N executables, T s)` once it listens and the engine is warm; stops
+    admissions the moment SIGTERM/SIGINT arrives (uvicorn then drains the connections)."""
 
-    def __init__(self, config: uvicorn.Config, async_engine):
+    def __init__(self, config: uvicorn.Config, async_engine, started: float):
         super().__init__(config)
         self.async_engine = async_engine
+        self.started_at = started  # `started` is uvicorn's (a bool)
+        self._announcing: asyncio.Task | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if not self.should_exit:
+            self._announcing = asyncio.create_task(self._announce_ready())
+
+    async def shutdown(self, sockets=None) -> None:
+        if self._announcing is not None:
+            self._announcing.cancel()
+        await super().shutdown(sockets=sockets)
+
+    async def _announce_ready(self) -> None:
+        ae = self.async_engine
+        while not ae.is_ready and ae.warmup_error is None:
+            await asyncio.sleep(_READY_POLL_S)
+        if ae.warmup_error is not None:
+            logger.error("not ready: the warm-up failed (%s: %s); /health answers 503",
+                         type(ae.warmup_error).__name__, ae.warmup_error)
+            return
+        snapshot = ae.metrics_snapshot
+        logger.info("ready: %s (%d executables, %.1f s)", _url(self.config.host, self.config.port),
+                    snapshot.num_compilations if snapshot is not None else 0,
+                    time.monotonic() - self.started_at)
 
     def handle_exit(self, sig, frame) -> None:
         self.async_engine.stop_admissions()
         super().handle_exit(sig, frame)
 
 
+_READY_POLL_S = 0.05
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxinfer serve", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO")
     add_serve_args(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(getattr(args, "log_level", "INFO"))
     try:
         return run_serve(args)
     except ValueError as e:

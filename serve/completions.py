@@ -23,13 +23,19 @@ ENDPOINT = "completions"  # the metrics label
 
 
 async def completions(server: ServerState, request: Request) -> Response:
+    """Completions of a prompt (or several), streamed or not."""
     t0 = time.monotonic()
     engine = server.engine
     try:
         req = await parse_body(request, CompletionRequest, max_body_bytes=server.max_body_bytes,
                                model_name=server.model_name)
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError(400, "best_of other than n is not supported", param="best_of")
+        if req.best_of is not None and req.best_of < req.n:
+            raise APIError(400, f"best_of={req.best_of} must be >= n={req.n}", param="best_of",
+                           code="invalid_value")
+        if req.best_of is not None and req.best_of > req.n:
+            raise APIError(400, "best_of > n is not supported (choices are not re-ranked); "
+                                "send best_of equal to n or leave it out", param="best_of",
+                           code="invalid_value")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         prompts = await completion_prompts(engine.tokenizer, req.prompt, engine.vocab_size)

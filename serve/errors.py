@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from starlette.responses import Response
 
 from jaxinfer.engine.async_engine import EngineError, EngineOverloaded, EngineShuttingDown
+from serve.schemas import is_union_tag
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +49,50 @@ class APIError(Exception):
 
 
 def from_validation_error(e: ValidationError) -> APIError:
-    """The first pydantic error, naming the top-level field as `param`."""
+    """The first pydantic error as OpenAI words it, `param` the field's path ("messages.0.content":
+    field names and list indexes, without serve/schemas.py's union tags)."""
     err = e.errors(include_url=False)[0]
-    loc = [p for p in err.get("loc", ()) if isinstance(p, (str, int))]
-    param = str(loc[0]) if loc else None
-    where = ".".join(str(p) for p in loc)
-    message = f"{where}: {err.get('msg', 'invalid value')}" if where else err.get("msg", "invalid")
-    code = "missing_required_parameter" if err.get("type") == "missing" else "invalid_value"
-    return APIError(400, message, param=param, code=code)
+    path = [p for p in err.get("loc", ()) if not is_union_tag(p) and p != "[key]"]
+    param = ".".join(str(p) for p in path) or None
+    kind = err.get("type", "")
+    where = f"'{param}'" if param else "the request body"
+    if kind == "missing":
+        return APIError(400, f"Missing required parameter: {where}.", param=param,
+                        code="missing_required_parameter")
+    expected = _EXPECTED_TYPES.get(kind)
+    if expected is None and kind == "invalid_type":
+        expected = err.get("msg", "").removeprefix("expected ")
+    if expected is not None:
+        return APIError(400, f"Invalid type for {where}: expected {expected}, but got "
+                             f"{_json_type(err.get('input'))} instead.", param=param,
+                        code="invalid_type")
+    message = err.get("msg", "invalid value").removeprefix("Value error, ")
+    return APIError(400, f"Invalid value for {where}: {message}.", param=param,
+                    code="invalid_value")
+
+
+_EXPECTED_TYPES = {  # pydantic's error type -> the JSON type the field takes
+    "string_type": "a string", "int_type": "an integer", "float_type": "a number",
+    "bool_type": "a boolean", "list_type": "an array", "dict_type": "an object",
+    "model_type": "an object", "model_attributes_type": "an object",
+}
+
+
+def _json_type(value) -> str:
+    """The JSON type of a request value, as OpenAI's errors name it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
 
 
 def from_value_error(e: ValueError, renames: dict[str, str] | None = None) -> APIError:
@@ -72,17 +109,23 @@ def from_value_error(e: ValueError, renames: dict[str, str] | None = None) -> AP
     return APIError(400, message, param=param, code="invalid_value")
 
 
-def context_length_error(num_prompt_tokens: int, max_model_len: int,
-                         max_tokens: int | None = None, param: str = "messages") -> APIError:
-    if max_tokens is None:
-        message = (f"This model's maximum context length is {max_model_len} tokens. However, your "
-                   f"prompt is {num_prompt_tokens} tokens, which leaves no room for any output "
-                   "token. Please reduce the length of the prompt.")
+def context_length_error(num_prompt_tokens: int, max_model_len: int, *, param: str,
+                         source: str = "prompt", max_tokens: int | None = None,
+                         min_tokens: int | None = None) -> APIError:
+    """A request longer than the context (vLLM's wording): its prompt alone (`source`: "prompt"
+    or "messages"), the prompt + `max_tokens`, or the prompt + `min_tokens`."""
+    head = f"This model's maximum context length is {max_model_len} tokens. However, you requested"
+    if max_tokens is not None:
+        message = (f"{head} {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                   f"{source}, {max_tokens} in the completion). Please reduce the length of the "
+                   f"{source} or completion.")
+    elif min_tokens is not None:
+        message = (f"{head} at least {num_prompt_tokens + min_tokens} tokens ({num_prompt_tokens} "
+                   f"in the {source}, min_tokens={min_tokens} in the completion). Please reduce "
+                   f"the length of the {source} or min_tokens.")
     else:
-        message = (f"This model's maximum context length is {max_model_len} tokens. However, you "
-                   f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-                   f"prompt, {max_tokens} in the completion). Please reduce the length of the "
-                   "prompt or of the completion.")
+        message = (f"{head} {num_prompt_tokens} tokens in the {source}, which leaves no room for "
+                   f"the completion. Please reduce the length of the {source}.")
     return APIError(400, message, param=param, code="context_length_exceeded")
 
 

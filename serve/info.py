@@ -16,6 +16,7 @@ from serve.state import ServerState
 
 
 async def health(server: ServerState, request: Request) -> Response:
+    """200 once warm-up is done and requests are admitted, else 503 with the reason."""
     engine = server.engine
     if engine.is_ready:
         return JSONResponse({"status": "ok"})
@@ -30,14 +31,17 @@ async def health(server: ServerState, request: Request) -> Response:
 
 
 async def metrics(server: ServerState, request: Request) -> Response:
+    """Prometheus metrics of the server and the engine."""
     return Response(server.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def models(server: ServerState, request: Request) -> Response:
+    """The served model, as a list."""
     return JSONResponse({"object": "list", "data": [_model_card(server)]})
 
 
 async def model(server: ServerState, request: Request) -> Response:
+    """The served model's card (404 for any other name)."""
     name = request.path_params["model"]
     if name != server.model_name:
         return model_not_found(name).response()
@@ -45,6 +49,7 @@ async def model(server: ServerState, request: Request) -> Response:
 
 
 async def tokenize(server: ServerState, request: Request) -> Response:
+    """The token ids of a prompt, or of messages through the chat template."""
     tokenizer = server.engine.tokenizer
     try:
         req = await parse_body(request, TokenizeRequest, max_body_bytes=server.max_body_bytes,
@@ -63,6 +68,7 @@ async def tokenize(server: ServerState, request: Request) -> Response:
 
 
 async def detokenize(server: ServerState, request: Request) -> Response:
+    """The text of token ids."""
     try:
         req = await parse_body(request, DetokenizeRequest, max_body_bytes=server.max_body_bytes,
                                model_name=server.model_name)

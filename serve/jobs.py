@@ -46,8 +46,12 @@ def plan_jobs(engine: AsyncEngine, request_id: str, prompts: list[Prompt], req: 
               max_tokens: int | None, logprobs: int | None, prompt_param: str,
               max_tokens_param: str, prompt_logprobs: int | None = None) -> list[Job]:
     """The jobs of a request, choice index = prompt index * n + sample; APIError (400) when they
-    do not fit: more choices than the engine admits at once, a prompt (plus max_tokens) longer
-    than the context, or a sampling value SamplingParams refuses."""
+    can never run: more choices than the engine admits at once, a prompt (plus max_tokens, or
+    plus min_tokens) longer than the context, or a sampling value SamplingParams refuses.
+
+    The context is the bound of the KV pool too: the engine's scheduler refuses to start with a
+    pool that cannot hold one sequence of max_model_len tokens, so what fits the context fits the
+    pool (and waits, at worst, for pages to free up)."""
     num_choices = len(prompts) * req.n
     if num_choices > engine.max_waiting:
         raise APIError(400, f"this request asks for {num_choices} completions (prompts x n); "
@@ -55,10 +59,15 @@ def plan_jobs(engine: AsyncEngine, request_id: str, prompts: list[Prompt], req: 
                        param="n", code="invalid_value")
     limit = engine.max_model_len
     for p in prompts:
-        if len(p.token_ids) >= limit:
-            raise context_length_error(len(p.token_ids), limit, param=prompt_param)
-        if max_tokens is not None and len(p.token_ids) + max_tokens > limit:
-            raise context_length_error(len(p.token_ids), limit, max_tokens, param=max_tokens_param)
+        num_prompt = len(p.token_ids)
+        if num_prompt >= limit:
+            raise context_length_error(num_prompt, limit, param=prompt_param, source=prompt_param)
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise context_length_error(num_prompt, limit, param=max_tokens_param,
+                                       source=prompt_param, max_tokens=max_tokens)
+        if max_tokens is None and req.min_tokens and num_prompt + req.min_tokens > limit:
+            raise context_length_error(num_prompt, limit, param="min_tokens", source=prompt_param,
+                                       min_tokens=req.min_tokens)
     samples = sample_params(req, max_tokens=max_tokens, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, vocab_size=engine.vocab_size,
                             max_tokens_param=max_tokens_param)

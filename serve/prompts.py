@@ -12,7 +12,7 @@ from typing import Sequence
 
 from jaxinfer.tokenizer import Tokenizer
 from serve.errors import APIError
-from serve.schemas import ChatMessage, CompletionPrompt
+from serve.schemas import CompletionPrompt, Message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,14 +29,11 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
                             f"{bad[:5]}", param=param, code="invalid_value")
 
 
-async def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage],
+async def chat_prompt(tokenizer: Tokenizer, messages: list[Message],
                       add_generation_prompt: bool) -> Prompt:
     """The token ids of `messages` rendered by the chat template; a template that refuses them
     (or has no chat template) is a 400 on `messages`."""
-    try:
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    except ValueError as e:
-        raise APIError(400, str(e), param="messages", code="invalid_value") from None
+    conversation = [m.template_message() for m in messages]
     try:
         token_ids = await asyncio.to_thread(tokenizer.apply_chat_template, conversation,
                                             add_generation_prompt=add_generation_prompt)

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxinfer.request import RequestOutput
+from serve.access_log import note_usage
 from serve.disconnect import ClientGone, until_disconnect
 from serve.errors import engine_api_error
 from serve.jobs import Finals, Job, fan_in
@@ -41,6 +42,9 @@ class ChunkWriter(Protocol):
     def closing(self, finals: Finals) -> list[dict]:
         """Chunks after the last output (the usage chunk, when asked for)."""
 
+    def usage(self, finals: Finals) -> dict:
+        """The request's usage so far (for the access log)."""
+
 
 async def stream_response(server: ServerState, request: Request, endpoint: str, jobs: list[Job],
                           t0: float, writer: ChunkWriter) -> Response:
@@ -57,15 +61,16 @@ async def stream_response(server: ServerState, request: Request, endpoint: str, 
     except Exception as e:  # noqa: BLE001 - every failure is an answer
         await outs.aclose()
         return server.error(endpoint, engine_api_error(e))
-    return EventSourceResponse(_events(server, endpoint, outs, first, writer), sep="\n",
+    return EventSourceResponse(_events(server, request, endpoint, outs, first, writer), sep="\n",
                                headers={"Cache-Control": "no-cache"},
                                shutdown_grace_period=server.shutdown_timeout)
 
 
-async def _events(server: ServerState, endpoint: str,
+async def _events(server: ServerState, request: Request, endpoint: str,
                   outs: AsyncIterator[tuple[Job, RequestOutput]],
                   first: tuple[Job, RequestOutput] | None, writer: ChunkWriter) -> AsyncIterator[str]:
-    """The data of each event; counts the request's outcome (ok, disconnected, an error status)."""
+    """The data of each event; counts the request's outcome (ok, disconnected, an error status)
+    and tells the access log the tokens streamed."""
     outcome = "ok"
     finals: Finals = {}
     try:
@@ -95,6 +100,8 @@ async def _events(server: ServerState, endpoint: str,
         yield _data(err.body())
     finally:
         server.metrics.requests.labels(endpoint, outcome).inc()
+        if finals:
+            note_usage(request, writer.usage(finals))
     yield DONE
 
 

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from serve import responses as R
+from serve.access_log import note_usage
 from serve.disconnect import ClientGone
 from serve.errors import APIError
 from serve.jobs import Finals, Job, collect, usage
@@ -40,7 +41,10 @@ class ChoiceWriter:
     def closing(self, finals: Finals) -> list[dict]:
         if not self.include_usage:
             return []
-        return [self._chunk([], usage(self.jobs, self.states, finals))]
+        return [self._chunk([], self.usage(finals))]
+
+    def usage(self, finals: Finals) -> dict:
+        return usage(self.jobs, self.states, finals)
 
     def _chunk(self, choices: list[dict], usage_) -> dict:
         raise NotImplementedError
@@ -59,4 +63,6 @@ async def respond(server: ServerState, request: Request, endpoint: str, jobs: li
     except APIError as e:
         return server.error(endpoint, e)
     server.ok(endpoint)
-    return JSONResponse(writer.body(finals))
+    body = writer.body(finals)
+    note_usage(request, body.get("usage"))
+    return JSONResponse(body)

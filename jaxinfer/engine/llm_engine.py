@@ -70,6 +70,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_config, self.engine_config, model_module, self.num_pages,
                                   draft=draft)
         del model_module, draft_module
+        ec, mc = self.engine_config, self.model_config
+        logger.info("model %s: %s, %d layers, context %d; %.1f MiB of weights (%s, quantization "
+                    "%s)", model, mc.architecture, mc.num_layers, self.max_model_len,
+                    self.weight_bytes() / 2**20, ec.dtype, ec.quantization)
         eos_ids = tuple(self.tokenizer.eos_token_ids) or tuple(self.model_config.eos_token_ids)
         self.proposer = DraftProposer.from_config(self.engine_config)
         self.scheduler = Scheduler(self.engine_config, self.num_pages, self.max_model_len, eos_ids,
@@ -231,14 +235,23 @@ class LLMEngine:
 
     def warmup(self) -> None:
         """Compiles (or loads from the executable cache) every shape bucket now, so no request
-        waits through a compile, then runs the smallest one as a check that the device works."""
+        waits through a compile, then runs the smallest one as a check that the device works.
+        Logs its progress (step shapes done / total, seconds) about ten times on the way."""
         t0 = time.perf_counter()
         step_inputs = list(warmup_step_inputs(self.engine_config, self.max_model_len,
                                               buckets=self.buckets))
-        self.runner.compile(step_inputs, num_threads=min(4, os.cpu_count() or 1))
+        num_threads = min(4, os.cpu_count() or 1)
+        total = len(step_inputs)
+        chunk = max(2 * num_threads, -(-total // 10))  # each chunk overlaps on num_threads
+        for start in range(0, total, chunk):
+            self.runner.compile(step_inputs[start:start + chunk], num_threads=num_threads)
+            done = min(start + chunk, total)
+            if done < total:
+                logger.info("warm-up: %d/%d step shapes (%.1f s)", done, total,
+                            time.perf_counter() - t0)
         self.runner.execute(step_inputs[0])  # all padding: touches only the null page
-        logger.info("warm-up: %d executables in %.1f s", self.runner.num_compilations,
-                    time.perf_counter() - t0)
+        logger.info("warm-up: %d/%d step shapes, %d executables in %.1f s", total, total,
+                    self.runner.num_compilations, time.perf_counter() - t0)
         if self.spec_policy is not None and self.engine_config.spec_max_batched_tokens is None:
             self.calibrate_speculation()
 

@@ -2,7 +2,7 @@
 server tests.
 
 No JAX: a byte-level tokenizer and a deterministic "model" (greedy output cycles through a fixed
-sentence; seeded sampling draws bytes from a PRNG keyed on (seed, position)). It keeps a page pool
+sentence; seeded sampling draws bytes from a PRNG seeded with an integer of (seed, position)). It keeps a page pool
 so tests can check that aborted and finished requests give their pages back, runs at most
 `max_num_seqs` requests per step, and asserts that every call comes from a single thread. As in
 LLMEngine, `step(detokenize=False)` returns token-only outputs (empty text) and leaves stop strings
@@ -179,7 +179,7 @@ class FakeEngine:
         if p.temperature == 0:
             ch = GREEDY_TEXT[(sum(r.prompt_token_ids) + len(r.output_token_ids)) % len(GREEDY_TEXT)]
             return ord(ch) + _OFFSET
-        rng = random.Random(f"{r.seed}-{pos}")
+        rng = random.Random(r.seed * 1_000_003 + pos)  # an integer seed: the same in every run
         return rng.randrange(ord("a"), ord("z") + 1) + _OFFSET
 
     def _decode_one(self, r: _Req) -> None:

@@ -6,11 +6,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import time
 
 from jaxinfer.engine.async_engine import AsyncEngine
 from serve.app import create_app
 from serve.cli import serve_app
+from serve.logs import configure_logging
 from tests.serve.fake_engine import FakeEngine
 
 
@@ -23,15 +24,17 @@ def main() -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--shutdown-timeout", type=float, default=20.0)
     p.add_argument("--model-name", default="fake-model")
+    p.add_argument("--no-access-log", action="store_true")
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO)
+    started = time.monotonic()
+    configure_logging("INFO")
     engine = FakeEngine(step_delay_s=args.step_delay_s, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len)
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, api_key=args.api_key, served_model_name=args.model_name,
-                     shutdown_timeout=args.shutdown_timeout)
+                     shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log)
     serve_app(app, async_engine, host="127.0.0.1", port=args.port,
-              shutdown_timeout=args.shutdown_timeout)
+              shutdown_timeout=args.shutdown_timeout, started=started)
 
 
 if __name__ == "__main__":

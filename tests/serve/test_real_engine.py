@@ -159,29 +159,45 @@ def test_metrics_read_from_the_engine(client):
     assert values["jaxinfer_num_requests_running"] == 0
 
 
-@pytest.mark.parametrize("extra", [
-    {"top_k": 2**40}, {"seed": 2**70}, {"seed": -5}, {"stop_token_ids": [2**40]},
-    {"min_tokens": 2**40}, {"repetition_penalty": 1e30}, {"temperature": 1e-30},
-    {"top_p": 1e-30}, {"min_p": 1.0}, {"logit_bias": {"5": 100, "6": -100}},
-    {"presence_penalty": 2, "frequency_penalty": -2}, {"max_tokens": 2**40},
-    {"stop": ["a" * 10_000]}, {"n": 3, "seed": 2**32 - 2},
+@pytest.mark.parametrize("extra,status", [
+    ({"top_k": 2**40}, 400),  # beyond int32: the schema's bound
+    ({"seed": 2**70}, 400),  # beyond int64 (OpenAI's and vLLM's seed range)
+    ({"seed": -5}, 200),
+    ({"stop_token_ids": [2**40]}, 400),  # outside the vocabulary: the engine refuses it
+    ({"min_tokens": 2**40}, 400),  # beyond int32
+    ({"repetition_penalty": 1e30}, 200),
+    ({"temperature": 1e-30}, 200),
+    ({"top_p": 1e-30}, 200),
+    ({"min_p": 1.0}, 200),
+    ({"logit_bias": {"5": 100, "6": -100}}, 200),
+    ({"presence_penalty": 2, "frequency_penalty": -2}, 200),
+    ({"max_tokens": 2**40}, 400),  # beyond the context
+    ({"stop": ["a" * 10_000]}, 200),
+    ({"n": 3, "seed": 2**32 - 2}, 200),  # seeds 2**32 - 2 .. 2**32: wrap, as seeds do
 ])
-def test_odd_values_never_break_the_batch(client, extra):
-    """Each request gets 200 or 400; none makes an engine step fail (that would fail everyone)."""
+def test_odd_values_never_break_the_batch(client, extra, status):
+    """Each request gets the one status OpenAI/vLLM give it; none makes an engine step fail
+    (that would fail everyone)."""
     before = _step_errors(client)
     r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "temperature": 1.0,
                                              **extra})
-    assert r.status_code in (200, 400), r.text
+    assert r.status_code == status, r.text
     assert _step_errors(client) == before
 
 
-@pytest.mark.parametrize("extra", [{"min_tokens": 2**31 - 1}, {"top_k": 2**31 - 1, "max_tokens": 3},
-                                   {"max_completion_tokens": 2**31 - 1}])
-def test_odd_chat_values_never_break_the_batch(client, extra):
+@pytest.mark.parametrize("extra,status,param", [
+    ({"min_tokens": 2**31 - 1}, 400, "min_tokens"),  # no max_tokens: the context cannot hold it
+    ({"top_k": 2**31 - 1, "max_tokens": 3}, 200, None),  # top_k >= vocabulary: off
+    ({"max_completion_tokens": 2**31 - 1}, 400, "max_completion_tokens"),
+])
+def test_odd_chat_values_never_break_the_batch(client, extra, status, param):
     before = _step_errors(client)
     r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "temperature": 1.0,
                                                   **extra})
-    assert r.status_code in (200, 400), r.text
+    assert r.status_code == status, r.text
+    if status == 400:
+        assert r.json()["error"]["param"] == param
+        assert r.json()["error"]["code"] == "context_length_exceeded"
     assert _step_errors(client) == before
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
+import time
 
 import httpx
 import openai
@@ -49,6 +51,25 @@ def test_fake_server_exact_greedy_text(client):
     want = "".join(GREEDY_TEXT[(sum(ids) + i) % len(GREEDY_TEXT)] for i in range(9))
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=9, temperature=0)
     assert r.choices[0].text == want
+
+
+def test_fake_server_logs_ready_and_one_line_per_request(fake_server):
+    """The process's own log (serve/logs.py's format on stderr): the ready line, then an access
+    line per request with its tokens; uvicorn's access log is off."""
+    port = fake_server.base_url.rsplit(":", 1)[1]
+    r = httpx.post(f"{fake_server.base_url}/v1/completions", json={
+        "prompt": "log me", "max_tokens": 3}, timeout=TIMEOUT)
+    assert r.status_code == 200
+    access = re.compile(r"INFO serve\.access: POST /v1/completions 200 prompt=6 output=3 "
+                        r"\d+\.\d ms")
+    deadline = time.monotonic() + TIMEOUT
+    while not access.search(fake_server.log()):
+        assert time.monotonic() < deadline, fake_server.log()[-3000:]
+        time.sleep(0.05)
+    log = fake_server.log()
+    assert re.search(rf"INFO serve\.cli: ready: http://127\.0\.0\.1:{port} \(3 executables, "
+                     r"\d+\.\d s\)", log), log[-3000:]
+    assert "uvicorn.access" not in log
 
 
 def test_dropping_half_of_20_streams_frees_every_page(fake_server):
