@@ -121,6 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--quantization", default="auto", help="EngineConfig.quantization")
+    ap.add_argument("--kv-cache-dtype", default=None, help="EngineConfig.kv_cache_dtype")
     ap.add_argument("--shapes", default="1x32,1x512,16x32,16x512,64x32,64x512")
     ap.add_argument("--prefill", type=int, default=512, help="0: no prefill row")
     ap.add_argument("--steps", type=int, default=5)
@@ -130,6 +131,7 @@ def main(argv=None) -> int:
     kwargs = dict(max_num_seqs=max([s for s, _ in shapes] + [1]),
                   max_num_batched_tokens=max(512, args.prefill), max_model_len=2048,
                   attention_backend=args.attention_backend, quantization=args.quantization,
+                  kv_cache_dtype=args.kv_cache_dtype,
                   enable_prefix_caching=False)
     if args.dummy:
         kwargs.update(load_format="dummy", tokenizer=args.model)
@@ -146,7 +148,8 @@ def main(argv=None) -> int:
                            SamplingParams(max_tokens=1))
         rows.append((f"prefill {args.prefill} tokens", args.prefill, *profile_steps(engine, 1)))
         clear(engine)
-    print(f"\nStep profile: {args.model}, weights {args.quantization}, attention backend "
+    print(f"\nStep profile: {args.model}, weights {args.quantization}, KV cache "
+          f"{args.kv_cache_dtype or 'float32'}, attention backend "
           f"{engine.runner.attention_backend}, "
           f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores")
     print("| step | ms | tok/s | " + " | ".join(COLUMNS) + " |")
