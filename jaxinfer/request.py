@@ -149,6 +149,11 @@ class Request:
     spec_accept_den: float = 4.0
     spec_idle_steps: int = 0  # decode steps since the last draft was verified
 
+    # -- structured output --------------------------------------------------------------------
+    # its constraint's matcher (jaxinfer/structured/matcher.py RequestGrammar: fill_bitmask(row),
+    # advance(token) -> stop?), made when added; None: unconstrained
+    grammar: Any = None
+
     def __post_init__(self):
         self.prompt_token_ids = list(self.prompt_token_ids)
         if not self.prompt_token_ids:

@@ -7,12 +7,71 @@ state: a request's resolved seed lives on the `Request`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
 MAX_LOGPROBS = 20
 DEFAULT_MAX_TOKENS = 16  # output tokens when a request names no limit (OpenAI's completions default)
 MAX_LOGIT_BIAS = 100.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputs:
+    """One output constraint (vLLM's names); exactly one field is set. The engine compiles it to a
+    grammar (jaxinfer/structured/) and masks each step's logits to the tokens it allows.
+
+    json: a JSON schema (dict, or its JSON text); regex: the whole output fullmatches it (Rust
+    regex syntax); choice: the output is one of these strings; grammar: a Lark (or GBNF) grammar;
+    json_object: any JSON object."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        given = [f.name for f in dataclasses.fields(self)
+                 if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json={self.json!r} must be a JSON schema "
+                                 "(an object)")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name}={v!r} must be a non-empty string")
+        if self.choice is not None:
+            if (isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple))
+                    or not self.choice or not all(isinstance(c, str) for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice={self.choice!r} must be a non-empty "
+                                 "list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object={self.json_object!r} must be a bool")
+
+    def kind_and_text(self) -> tuple[str, str]:
+        """(kind, text): the constraint as llguidance's `grammar_from` takes it (the cache key)."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return "json", text
+        if self.json_object:
+            return "json", '{"type": "object"}'
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        return "grammar", self.grammar
 
 
 def _is_int(x: Any) -> bool:
@@ -47,8 +106,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spec_decode: bool | None = None  # None: engine default; False: never speculate for this one
+    structured_outputs: StructuredOutputs | None = None  # constrain the output (a grammar)
 
     def __post_init__(self):
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputs):
+            raise ValueError(f"structured_outputs={self.structured_outputs!r} must be a "
+                             "StructuredOutputs or None")
         self.stop = _normalize_stop(self.stop)
         self.stop_token_ids = _normalize_token_ids("stop_token_ids", self.stop_token_ids)
         self.logit_bias = _normalize_logit_bias(self.logit_bias)

@@ -25,6 +25,7 @@ from jaxinfer.sched.spec_policy import SpecPolicy
 from jaxinfer.sched.stats import SchedulerStats
 from jaxinfer.sched.step_input import make_step_input, warmup_step_inputs
 from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.structured import GrammarCompiler, bitmask_words
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class LLMEngine:
                                    spec_policy=SpecPolicy.from_config(self.engine_config))
         self.outputs = OutputProcessor(self.tokenizer)
         self.buckets = StepBuckets.coarse(self.engine_config, self.max_model_len,
+        self.grammars = GrammarCompiler(self.tokenizer.hf_tokenizer, self.model_config.vocab_size,
+                                        eos_ids)
                                           exact_verify=self.runner.attention_backend != "pallas")
         logger.info(
             "KV cache: %d pages of %d tokens = %d tokens (%.1f MiB)",
@@ -173,12 +176,16 @@ class LLMEngine:
         if params.spec_decode and method is None:
             raise ValueError("spec_decode=True needs an engine with speculative_method set")
         req = Request(
+        grammar = None  # a constrained request gets no drafts (its mask covers one token a step)
+        if params.structured_outputs is not None:
+            grammar = self.grammars.request_grammar(params.structured_outputs)
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
-            spec_enabled=method is not None and params.spec_decode is not False,
+            spec_enabled=method is not None and params.spec_decode is not False and grammar is None,
+            grammar=grammar,
         )
         self.scheduler.add_request(req)
         self.outputs.add(req, prompt_text)
@@ -239,7 +246,8 @@ class LLMEngine:
         Logs its progress (step shapes done / total, seconds) about ten times on the way."""
         t0 = time.perf_counter()
         step_inputs = list(warmup_step_inputs(self.engine_config, self.max_model_len,
-                                              buckets=self.buckets))
+                                              buckets=self.buckets,
+                                              bitmask_words=bitmask_words(self.vocab_size)))
         num_threads = min(4, os.cpu_count() or 1)
         total = len(step_inputs)
         chunk = max(2 * num_threads, -(-total // 10))  # each chunk overlaps on num_threads

@@ -433,6 +433,8 @@ class Scheduler:
         return None
 
     def _trim_pages(self, req: Request) -> None:
+            if req.grammar is not None and req.grammar.advance(token_id):
+                return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing else fits
         """Frees the pages past `num_computed_tokens` (rejected drafts, draft lookahead)."""
         keep = self._num_pages_for(req.num_computed_tokens)
         req.num_lookahead_tokens = 0

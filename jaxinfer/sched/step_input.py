@@ -75,6 +75,8 @@ class StepInput:
     output_token_ids: np.ndarray | None = None  # i32[R, Wo] -1 padded (all penalties)
     bias_token_ids: np.ndarray | None = None  # i32[R, B] -1 padded (values 0 there): add, never set
     bias_values: np.ndarray | None = None  # f32[R, B] logit_bias, and -inf on EOS/stop ids < min_tokens
+    allowed_token_bitmask: np.ndarray | None = None  # i32[R, W] W = ceil(V / 32): bit t % 32 of word
+    #   t // 32 set -> token t allowed; a constrained request's rows from its grammar, others -1
     # prompt logprobs (None unless some row scores a prompt token)
     target_token_ids: np.ndarray | None = None  # i32[R] the next prompt token, whose logprob the
     #   row returns instead of its sampled token's; -1: an ordinary row
@@ -110,7 +112,7 @@ _DRAFT_FIELDS = ("draft_k", "seq_rows", "seq_store_rows")
 _ARRAY_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens", "page_indices",
                  "num_seqs", "logits_indices") + _SAMPLING_FIELDS + (
                     "prompt_token_ids", "output_token_ids", "bias_token_ids", "bias_values",
-                    "target_token_ids") + _SPEC_FIELDS + _DRAFT_FIELDS
+                    "allowed_token_bitmask", "target_token_ids") + _SPEC_FIELDS + _DRAFT_FIELDS
 
 
 # -- building -------------------------------------------------------------------------------
@@ -188,9 +190,12 @@ def empty_step_input(num_tokens: int, num_seqs: int, pages_per_seq: int, page_si
 
 
 def warmup_step_inputs(engine_config: EngineConfig, max_model_len: int, *,
-                       buckets: StepBuckets | None = None) -> Iterator[StepInput]:
+                       buckets: StepBuckets | None = None,
+                       bitmask_words: int = 0) -> Iterator[StepInput]:
     """One all-padding StepInput per shape bucket (compiling each touches only the null page);
-    with speculation also each verifying layout (R = S, and R = T where T > S)."""
+    with speculation also each verifying layout (R = S, and R = T where T > S). `bitmask_words`
+    W > 0: each also once more with an all-ones allowed-token bitmask i32[R, W] (the layout of a
+    step with a constrained request)."""
     buckets = buckets or StepBuckets.from_config(engine_config, max_model_len)
     method, k = engine_config.speculative_method, engine_config.num_speculative_tokens
     for shape in buckets.all_shapes():
@@ -209,6 +214,9 @@ def warmup_step_inputs(engine_config: EngineConfig, max_model_len: int, *,
             if method == "draft":
                 _fill_draft(si, [], _Rows([]), engine_config.max_num_seqs)
             yield si
+            if bitmask_words:
+                yield dataclasses.replace(si, allowed_token_bitmask=np.full(
+                    (si.seeds.shape[0], bitmask_words), -1, np.int32))
 
 
 def _fill_attention(si: StepInput, sched_out: SchedulerOutput, page_size: int) -> None:
@@ -287,6 +295,22 @@ def _fill_optional(si: StepInput, sched_out: SchedulerOutput, rows: _Rows) -> No
         for r, b in enumerate(biases):
             si.bias_token_ids[r, :len(b)] = list(b.keys())
             si.bias_values[r, :len(b)] = list(b.values())
+    grammars = [it.request.grammar for it in items]
+    if any(g is not None for g in grammars):
+        _fill_bitmask(si, grammars, rows)
+
+
+def _fill_bitmask(si: StepInput, grammars: list, rows: _Rows) -> None:
+    """Each constrained item's rows get its grammar's mask (computed once per item: a constrained
+    request has no drafts, so its rows are prompt-logprob rows and its sampled row); the rest -1."""
+    num_words = next(g.num_words for g in grammars if g is not None)
+    si.allowed_token_bitmask = np.full((si.seeds.shape[0], num_words), -1, np.int32)
+    for i, g in enumerate(grammars):
+        if g is not None:
+            first, n = rows.starts[i], rows.per_item[i]
+            g.fill_bitmask(si.allowed_token_bitmask[first + n - 1])
+            if n > 1:
+                si.allowed_token_bitmask[first:first + n - 1] = si.allowed_token_bitmask[first + n - 1]
 
 
 def _fill_spec(si: StepInput, items, rows: _Rows, k: int) -> None:
