@@ -5,7 +5,8 @@ the error handlers.
 
 Routes (ENDPOINTS): POST /v1/completions (serve/completions.py), POST /v1/chat/completions
 (serve/chat.py), both with `stream` (serve/streaming.py); GET /v1/models, GET /health, GET /metrics,
-POST /tokenize, POST /detokenize (serve/info.py); GET /openapi.json, the request schemas of these
+POST /tokenize, POST /detokenize (serve/info.py); with a FilesConfig, /v1/files and /v1/batches (serve/batch_runs.py
+runs the batches on this app); GET /openapi.json, the request schemas of these
 routes (serve/openapi.py). Every error has OpenAI's shape (serve/errors.py); with
 `access_log=True` (`jaxinfer serve`) each request gets one access log line (serve/access_log.py).
 The app's state is the one `ServerState` made here, handed to each route.
@@ -29,9 +30,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from jaxinfer.engine.async_engine import AsyncEngine
 from serve import DEFAULT_MAX_BODY_BYTES, info
 from serve.access_log import AccessLogMiddleware
+from serve.batch_runs import make_batch_runs
+from serve.batches_routes import FILES_API_ROUTES
 from serve.chat import chat_completions
 from serve.completions import completions
 from serve.errors import APIError
+from serve.files_config import FilesConfig
 from serve.metrics import ServerMetrics
 from serve.openapi import Operation, openapi_document, openapi_json
 from serve.schemas import (
@@ -61,9 +65,11 @@ ENDPOINTS = (
 
 def create_app(async_engine: AsyncEngine, *, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, served_model_name: str = "jaxinfer",
-               shutdown_timeout: float = 30.0, access_log: bool = False) -> Starlette:
+               shutdown_timeout: float = 30.0, access_log: bool = False,
+               files: FilesConfig | None = None) -> Starlette:
     """The app over `async_engine`, which it starts with the app and shuts down (draining
-    requests for up to `shutdown_timeout` seconds) when the app stops."""
+    requests for up to `shutdown_timeout` seconds) when the app stops. With `files`, the Files
+    and Batches API too (serve/files_routes.py, serve/batches_routes.py)."""
     if max_body_bytes <= 0:
         raise ValueError(f"{max_body_bytes=} must be positive")
     server = ServerState(engine=async_engine, model_name=served_model_name,
@@ -71,16 +77,31 @@ def create_app(async_engine: AsyncEngine, *, api_key: str | None = None,
                          shutdown_timeout=shutdown_timeout, metrics=ServerMetrics(async_engine),
                          token_texts=TokenTexts(async_engine.tokenizer))
 
+    runs = (make_batch_runs(files, async_engine, model_name=served_model_name, api_key=api_key)
+            if files is not None else None)
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await async_engine.start()
+        if runs is not None:
+            await runs.start(app)  # resumes the batches a stopped server left unfinished
         yield
+        if runs is not None:
+            await runs.stop()
         await async_engine.shutdown(timeout=shutdown_timeout)
 
     routes = [Route(path, functools.partial(endpoint, server), methods=[method])
               for path, method, endpoint, _ in ENDPOINTS]
     document = openapi_document([Operation(path, method, _summary(endpoint), body)
                                  for path, method, endpoint, body in ENDPOINTS])
+    if runs is not None:
+        routes += [Route(path, functools.partial(endpoint, runs), methods=[method])
+                   for path, method, endpoint in FILES_API_ROUTES]
+        document = openapi_document(
+            [Operation(path, method, _summary(endpoint), body)
+             for path, method, endpoint, body in ENDPOINTS]
+            + [Operation(path, method, _summary(endpoint), None)
+               for path, method, endpoint in FILES_API_ROUTES])
     routes.append(Route("/openapi.json", functools.partial(openapi_json, document),
                         methods=["GET"]))
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={

@@ -31,18 +31,16 @@ import os
 import sys
 from collections.abc import Callable
 
-import httpx
-
 from jaxinfer.engine import EngineClient
 from jaxinfer.engine.async_engine import AsyncEngine
 from serve.app import create_app
 from serve.batch_input import BadLine, BatchLine, read_lines
 from serve.batch_output import ResultFile
 from serve.batch_progress import Progress, Summary
-from serve.batch_rows import answer_row, error_row
+from serve.batch_post import post_lines
+from serve.batch_rows import error_row
 
 MODEL_NAME = "batch"  # the model name the job's requests carry (the app serves only this one)
-_RETRY_S = 0.05  # a 503 (waiting queue full) is retried after this long
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,61 +113,7 @@ async def _serve_lines(engine: EngineClient, lines: list[BatchLine], out: Result
     app = create_app(async_engine, served_model_name=MODEL_NAME)
     await async_engine.wait_ready()
     try:
-        await post_lines(app, lines, out, progress, max_in_flight=options.max_in_flight)
+        await post_lines(app, lines, out, progress, max_in_flight=options.max_in_flight,
+                         model_name=MODEL_NAME)
     finally:
         await async_engine.shutdown()
-
-
-async def post_lines(app, lines: list[BatchLine], out: ResultFile,
-                     progress: Progress | None = None, *, max_in_flight: int = 1024) -> None:
-    """Posts every line to the ASGI `app` (at most `max_in_flight` at once), writing each answer
-    to `out` as it comes. A line whose handling fails, the app raising included, is answered with
-    an error line; only a failure to write the output stops the job."""
-
-    def write(row: dict) -> None:
-        out.write(row)
-        if progress is not None:
-            progress.update(row)
-
-    todo = iter(lines)
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    async with httpx.AsyncClient(transport=transport, base_url="http://batch",
-                                 timeout=None) as client:
-
-        async def worker() -> None:
-            for line in todo:  # shared: each line goes to the first worker free
-                write(await _answer(client, line))
-
-        async def sync_on_time() -> None:  # an answer written is fsynced in time, even when
-            while True:                       # no other answer follows it for a while
-                await asyncio.sleep(out.sync_interval_s)
-                out.sync_due()
-
-        syncer = asyncio.create_task(sync_on_time()) if out.sync_interval_s > 0 else None
-        try:
-            await asyncio.gather(*(worker() for _ in range(min(max_in_flight, len(lines)))))
-        finally:
-            if syncer is not None:
-                syncer.cancel()
-
-
-async def _answer(client: httpx.AsyncClient, line: BatchLine) -> dict:
-    try:
-        body = {**line.body, "model": MODEL_NAME, "stream": False}
-        body.pop("stream_options", None)
-        while True:
-            r = await client.post(line.url, json=body)
-            if r.status_code != 503:
-                break
-            await asyncio.sleep(_RETRY_S)  # the waiting queue is full: the engine is busy
-        try:
-            answer = r.json()
-        except ValueError:
-            answer = None
-        if not isinstance(answer, dict):
-            return error_row(line.custom_id, "internal_error",
-                             f"the server answered {r.status_code} without a JSON object: "
-                             f"{r.text[:200]!r}")
-        return answer_row(line, r.status_code, answer)
-    except Exception as e:  # noqa: BLE001 - one line's failure is that line's answer
-        return error_row(line.custom_id, "internal_error", f"{type(e).__name__}: {e}")

@@ -40,6 +40,7 @@ from jaxinfer.engine import LLMEngine
 from jaxinfer.engine.async_engine import AsyncEngine
 from serve import DEFAULT_MAX_BODY_BYTES
 from serve.app import create_app
+from serve.files_cli import add_files_args, files_config
 from serve.logs import LEVELS, configure_logging, log_level_arg
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "DEBUG adds each compiled step shape")
     g.add_argument("--no-access-log", action="store_true",
                    help="no log line per request")
+    add_files_args(parser)
     add_engine_args(parser)
 
 
@@ -161,7 +163,8 @@ def run_serve(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, warmup=not args.no_warmup)
     app = create_app(async_engine, api_key=api_key, max_body_bytes=args.max_body_bytes,
                      served_model_name=args.served_model_name or served_name(args.model),
-                     shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log)
+                     shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log,
+                     files=files_config(args))
     serve_app(app, async_engine, host=args.host, port=args.port,
               shutdown_timeout=args.shutdown_timeout, started=started)
     return 0
