@@ -40,9 +40,10 @@ BACKENDS: tuple[str, ...] = typing.get_args(Backend)
 # many rows of x (a memory-bound product of a decode step)...
 CPU_QUANT_KERNEL_MAX_ROWS = 64
 # ...but hands a product of more rows than this to XLA's dense matmul when the layer keeps the
-# float weight beside its codes (from 8-16 rows on, the dense f32 matmul is faster on a CPU
-# whose cache holds the float weights; docs/performance.md).
-CPU_DENSE_ABOVE_ROWS = 8
+# float weight beside its codes (the kernel reads each weight row once for all the rows; with
+# its prefetching it beats the dense f32 matmul up to 16 rows, and loses from 32 on:
+# docs/performance.md).
+CPU_DENSE_ABOVE_ROWS = 16
 
 
 def resolve_backend(backend: str) -> str:
