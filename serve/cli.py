@@ -73,6 +73,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="TOML engine preset (EngineConfig fields); flags given here override it")
     g.add_argument("--max-waiting", type=int, default=1024,
                    help="requests waiting for their first token before new ones get 503")
+    g.add_argument("--max-step-failures", type=int, default=3,
+                   help="consecutive failed engine steps after which /health answers 503")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="larger request bodies get 413")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -160,7 +162,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(args.model, tokenizer=args.tokenizer, **settings)
     logger.info("engine built in %.1f s%s", time.perf_counter() - t0,
                 f" ({settings})" if settings else "")
-    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, warmup=not args.no_warmup)
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, warmup=not args.no_warmup,
+                               max_step_failures=args.max_step_failures)
     app = create_app(async_engine, api_key=api_key, max_body_bytes=args.max_body_bytes,
                      served_model_name=args.served_model_name or served_name(args.model),
                      shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log,

@@ -1,5 +1,5 @@
-"""The routes that generate nothing: GET /health (503 until warm-up is done), GET /metrics
-(Prometheus), GET /v1/models[/{model}], POST /tokenize, POST /detokenize."""
+"""The routes that generate nothing: GET /health (503 until warm-up is done, or while the engine
+fails), GET /metrics (Prometheus), GET /v1/models[/{model}], POST /tokenize, POST /detokenize."""
 
 from __future__ import annotations
 
@@ -16,11 +16,15 @@ from serve.state import ServerState
 
 
 async def health(server: ServerState, request: Request) -> Response:
-    """200 once warm-up is done and requests are admitted, else 503 with the reason."""
+    """200 once warm-up is done and requests are admitted, else 503 with the reason (also while
+    a failed engine step is handled, and after repeated consecutive ones: restart the server)."""
     engine = server.engine
-    if engine.is_ready:
+    failing = engine.failing
+    if engine.is_ready and failing is None:
         return JSONResponse({"status": "ok"})
-    if engine.warmup_error is not None:
+    if failing is not None:
+        status = f"error: {failing}"
+    elif engine.warmup_error is not None:
         error = engine.warmup_error
         status = f"error: warm-up failed: {type(error).__name__}: {error}"
     elif not engine.accepting:

@@ -17,8 +17,14 @@ A stop string found here ends the request on the engine thread (`finish_request`
     await async_engine.shutdown(timeout=30)          # stop admissions, drain, join
 
 Leaving the `async for` early (client gone, task cancelled) aborts the request, which frees its
-pages. An exception raised by `engine.step()` fails the requests in flight with `EngineError` and
-the loop keeps serving.
+pages. A step that fails fails its requests with `EngineError` and the loop keeps serving: the
+requests `StepFailed` names (the engine recovered, engine/llm_engine.py), or every request in
+flight for any other exception. `failing` says why the engine is unhealthy, for /health: while a
+failed step is handled, and after `max_step_failures` consecutive failed steps (the engine cannot
+recover by itself; an orchestrator should restart it), until a step succeeds.
+
+Each request's stream holds its newest output only (outputs are cumulative), so a consumer that
+stops reading holds one output's memory, and the engine thread never waits on anyone.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import threading
 import time
 from typing import AsyncIterator, Sequence
 
-from jaxinfer.engine.client import EngineClient
+from jaxinfer.engine.client import EngineClient, StepFailed
 from jaxinfer.engine.llm_engine import EngineMetrics
 from jaxinfer.engine.outputs import TextTracker
 from jaxinfer.request import RequestOutput
@@ -55,8 +61,29 @@ class EngineShuttingDown(RuntimeError):
 
 @dataclasses.dataclass
 class _Stream:
-    queue: asyncio.Queue
+    """A request's newest undelivered output, or its error (touched on the event loop only)."""
+
+    ready: asyncio.Event
+    latest: RequestOutput | None = None
+    error: BaseException | None = None
     first_token_seen: bool = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self.error = item
+        elif self.latest is None or not self.latest.finished:  # newer outputs replace older ones
+            self.latest = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        """The newest output (a finished one before an error), else the error."""
+        await self.ready.wait()
+        item, self.latest = self.latest, None
+        if item is None or (self.error is not None and not item.finished):
+            return self.error
+        if self.error is None:
+            self.ready.clear()
+        return item
 
 
 _ADD, _ABORT, _FINISH, _CALL = "add", "abort", "finish", "call"
@@ -65,9 +92,12 @@ _METRICS_PERIOD_S = 0.05  # engine.metrics is read at most this often while step
 
 class AsyncEngine:
     def __init__(self, engine: EngineClient, *, max_waiting: int = 1024, warmup: bool = True,
-                 idle_poll_s: float = 0.05):
+                 idle_poll_s: float = 0.05, max_step_failures: int = 3):
         if max_waiting <= 0:
             raise ValueError(f"{max_waiting=} must be positive")
+        if max_step_failures <= 0:
+            raise ValueError(f"{max_step_failures=} must be positive")
+        self.max_step_failures = max_step_failures
         self.engine = engine
         self.max_waiting = max_waiting
         self._do_warmup = warmup
@@ -88,6 +118,9 @@ class AsyncEngine:
         self.warmup_seconds: float | None = None
         self.metrics_snapshot: EngineMetrics | None = None
         self.num_step_errors = 0
+        self.num_consecutive_step_errors = 0
+        self.last_step_error: str | None = None
+        self._handling_step_error = False
 
     # -- lifecycle ------------------------------------------------------------------------------
     @property
@@ -103,9 +136,25 @@ class AsyncEngine:
         return self.engine.vocab_size
 
     @property
+    def grammars(self):
+        """The engine's structured-output compiler (its cache is thread-safe: compile off-loop)."""
+        return self.engine.grammars
+
+    @property
     def is_ready(self) -> bool:
         """Warm-up is done (with no error) and the engine admits requests."""
         return self._ready.is_set() and self.warmup_error is None and self._accepting
+
+    @property
+    def failing(self) -> str | None:
+        """Why the engine is unhealthy (a failed step being handled, or `max_step_failures`
+        consecutive failed steps), or None."""
+        if self._handling_step_error:
+            return f"recovering from a failed step ({self.last_step_error})"
+        n = self.num_consecutive_step_errors
+        if n >= self.max_step_failures:
+            return f"{n} consecutive engine steps failed, the last with {self.last_step_error}"
+        return None
 
     @property
     def accepting(self) -> bool:
@@ -179,7 +228,7 @@ class AsyncEngine:
                 f"{self._num_waiting} requests are waiting; the limit is max_waiting={self.max_waiting}")
         if request_id in self._streams:
             raise ValueError(f"request_id={request_id!r} is already in use")
-        stream = _Stream(asyncio.Queue())
+        stream = _Stream(asyncio.Event())
         self._streams[request_id] = stream
         self._num_waiting += 1
         self._idle.clear()
@@ -190,10 +239,7 @@ class AsyncEngine:
             self._send(_ADD, request_id, (prompt, params, priority), added)
             await asyncio.wrap_future(added)
             while True:
-                item = await stream.queue.get()
-                # Outputs are cumulative: when the consumer lags, skip to the newest one.
-                while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
-                    item = stream.queue.get_nowait()
+                item = await stream.get()  # the newest: a lagging consumer skips the others
                 if isinstance(item, BaseException):
                     finished = True  # the engine side already dropped it
                     raise item
@@ -240,7 +286,7 @@ class AsyncEngine:
     def _fail(self, request_id: str, exc: BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.queue.put_nowait(exc)
+            stream.put(exc)
 
     def _dispatch(self, outputs: list, errors: list[tuple[str, BaseException]]) -> None:
         """Runs on the event loop: hands one step's outputs to their streams."""
@@ -251,7 +297,7 @@ class AsyncEngine:
             if not stream.first_token_seen and (out.finished or _num_output_tokens(out) > 0):
                 stream.first_token_seen = True
                 self._num_waiting -= 1
-            stream.queue.put_nowait(out)
+            stream.put(out)
         for request_id, exc in errors:
             self._fail(request_id, exc)
 
@@ -294,6 +340,7 @@ class AsyncEngine:
             except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
                 self._on_step_error(e, in_flight)
                 continue
+            self.num_consecutive_step_errors = 0
             for out in outputs:
                 if out.finished:
                     in_flight.discard(out.request_id)
@@ -343,24 +390,44 @@ class AsyncEngine:
                     future.set_exception(e)
 
     def _on_step_error(self, exc: Exception, in_flight: set[str]) -> None:
-        self.num_step_errors += 1
-        logger.exception("engine step failed; failing %d requests in flight", len(in_flight))
-        err = EngineError(f"the engine failed: {type(exc).__name__}: {exc}")
-        failed = sorted(in_flight)
-        for request_id in failed:
-            try:
-                self.engine.abort_request(request_id)
-            except Exception:  # noqa: BLE001
-                logger.exception("abort_request(%r) failed after a step error", request_id)
-        in_flight.clear()
-        self._post([], [(request_id, err) for request_id in failed])
+        self.last_step_error = (str(exc) if isinstance(exc, StepFailed)
+                                else f"{type(exc).__name__}: {exc}")
+        self._handling_step_error = True
+        try:
+            errors = self._end_failed(exc, in_flight)
+        finally:
+            self.num_step_errors += 1
+            self.num_consecutive_step_errors += 1
+            self._handling_step_error = False
+        self._post([], errors)  # after the counters: a client that reads /health next sees them
         self._snapshot_metrics()
+        if isinstance(exc, StepFailed):
+            return  # the engine recovered by itself
         try:
             wedged = self.engine.has_unfinished_requests()
         except Exception:  # noqa: BLE001
             wedged = True
         if wedged:
             time.sleep(0.1)  # a wedged engine must not spin the CPU
+
+    def _end_failed(self, exc: Exception, in_flight: set[str]) -> list[tuple[str, EngineError]]:
+        """Takes the failed step's requests out of `in_flight` -> (request id, its error)."""
+        if isinstance(exc, StepFailed):  # the engine ended these and recovered
+            failed = sorted(in_flight.intersection(exc.request_ids))
+            logger.error("engine step failed (%s); failing its %d requests", exc, len(failed),
+                         exc_info=exc.cause)
+            err = EngineError(f"the engine failed: {exc}")
+        else:
+            failed = sorted(in_flight)
+            logger.exception("engine step failed; failing %d requests in flight", len(failed))
+            err = EngineError(f"the engine failed: {type(exc).__name__}: {exc}")
+            for request_id in failed:
+                try:
+                    self.engine.abort_request(request_id)
+                except Exception:  # noqa: BLE001
+                    logger.exception("abort_request(%r) failed after a step error", request_id)
+        in_flight.difference_update(failed)
+        return [(request_id, err) for request_id in failed]
 
     def _snapshot_metrics(self) -> None:
         try:

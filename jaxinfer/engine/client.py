@@ -13,6 +13,17 @@ from jaxinfer.request import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
 
+class StepFailed(RuntimeError):
+    """`step()` failed and the engine recovered: the requests of that step (`request_ids`) are
+    ended (aborted, their pages freed), the others go on. Any other exception from `step()`
+    leaves the engine's state unknown to its caller."""
+
+    def __init__(self, request_ids: Sequence[str], cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = tuple(request_ids)
+        self.cause = cause
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     tokenizer: Any  # jaxinfer.tokenizer.Tokenizer (encode, decode, apply_chat_template, ...)
@@ -42,7 +53,8 @@ class EngineClient(Protocol):
 
     def step(self, detokenize: bool = True) -> list[RequestOutput]:
         """One scheduling step; the outputs of the requests it changed (cumulative). With
-        detokenize=False they carry token ids only and stop strings are the caller's."""
+        detokenize=False they carry token ids only and stop strings are the caller's. Raises
+        StepFailed when the step failed and only its own requests were lost."""
 
     def warmup(self) -> None:
         """Compiles (or loads) every executable now, so no request waits through a compile."""

@@ -11,6 +11,7 @@ from typing import Sequence
 import jax
 
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.client import StepFailed
 from jaxinfer.engine.outputs import OutputProcessor
 from jaxinfer.models.loader import load_model, model_source
 from jaxinfer.ops.kv_cache import kv_cache_bytes_per_page
@@ -229,16 +230,35 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        step_input = make_step_input(sched_out, self.engine_config, self.max_model_len,
-                                     buckets=self.buckets)
-        runner_out = self.runner.execute(step_input)
-        updated = self.scheduler.update(sched_out, runner_out)
-        if self.proposer is not None:
-            self.proposer.propose(sched_out, runner_out, updated, self.scheduler)
+        try:
+            step_input = make_step_input(sched_out, self.engine_config, self.max_model_len,
+                                         buckets=self.buckets)
+            runner_out = self.runner.execute(step_input)
+            updated = self.scheduler.update(sched_out, runner_out)
+            if self.proposer is not None:
+                self.proposer.propose(sched_out, runner_out, updated, self.scheduler)
+        except Exception as e:  # noqa: BLE001 - an XLA runtime error, out of memory, a bug
+            raise self._recover(sched_out, e) from e
         if detokenize:  # a stop string ends its request now, before the outputs are made
             for request_id, stop in self.outputs.update_text(updated):
                 self.scheduler.finish_request(request_id, "stop", stop_reason=stop)
         return self.outputs.process(updated, detokenize=detokenize)
+
+    def _recover(self, sched_out, exc: Exception) -> StepFailed:
+        """After a failed step: ends the step's requests (their pages freed), re-allocates the KV
+        cache if the step consumed it (then every running request is recomputed: its K/V went
+        with the cache) and drops the prefix cache's unused pages, in case a page the step wrote
+        holds garbage. The engine can then step again; the returned StepFailed names the ended
+        requests."""
+        failed = [item.request.request_id for item in sched_out.scheduled]
+        logger.error("a step failed (%s: %s): ending its %d requests", type(exc).__name__, exc,
+                     len(failed))
+        for request_id in failed:
+            self.abort_request(request_id)
+        if self.runner.restore_caches():
+            self.scheduler.recompute_all()
+        self.scheduler.reset_prefix_cache()
+        return StepFailed(failed, exc)
 
     def warmup(self) -> None:
         """Compiles (or loads from the executable cache) every shape bucket now, so no request

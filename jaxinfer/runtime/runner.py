@@ -105,6 +105,24 @@ class ModelRunner:
         (out, draft_ids), self.kv_cache, d.kv_cache, d.q_store = result
         return out, draft_ids
 
+    def restore_caches(self) -> bool:
+        """After a failed step: re-allocates (zeroed, same shapes, dtypes and placement) each
+        donated cache a step consumed before it failed, so the next step has buffers to run on.
+        True when any was lost, i.e. every page's K/V is gone and the prefix cache must go too."""
+        lost = _consumed(self.kv_cache)
+        if lost:
+            self.kv_cache = _zeros_like(self.kv_cache)
+        d = self.draft
+        if d is not None:
+            if _consumed(d.kv_cache):
+                d.kv_cache, lost = _zeros_like(d.kv_cache), True
+            if _consumed(d.q_store):
+                d.q_store = _zeros_like(d.q_store)  # scratch of the step: nothing kept in it
+        if lost:
+            logger.warning("a failed step consumed the KV cache: re-allocated (%.1f MiB)",
+                           param_bytes(self.kv_cache) / 2**20)
+        return lost
+
     # -- ahead of time ----------------------------------------------------------------------
     def compile(self, step_inputs: Iterable[StepInput], num_threads: int = 1) -> int:
         """Prepares the executables of these inputs' shape buckets without running them: each is
@@ -146,6 +164,16 @@ class ModelRunner:
         dt = time.perf_counter() - t0
         logger.info("%s a step for (T, S, P)=%s %s in %.2f s", how, step_input.shape, flags, dt)
         return compiled, dt
+
+
+def _consumed(tree) -> bool:
+    """Whether any array of `tree` was deleted (donated to a step that then failed)."""
+    return any(x.is_deleted() for x in jax.tree_util.tree_leaves(tree))
+
+
+def _zeros_like(tree):
+    """Fresh zero arrays of `tree`'s shapes, dtypes and shardings (readable on deleted arrays)."""
+    return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), tree)
 
 
 def device_memory_bytes_free() -> int | None:

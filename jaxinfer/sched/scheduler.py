@@ -138,6 +138,12 @@ class Scheduler:
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
+    def recompute_all(self) -> None:
+        """Preempts every running request (by recompute: pages freed, back to the queue's head in
+        admission order), e.g. after the KV cache was lost and no page holds its K/V any more."""
+        for req in reversed(list(self.running)):
+            self._preempt(req)
+
     # -- schedule ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
