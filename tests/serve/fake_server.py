@@ -1,6 +1,6 @@
 """A real uvicorn server over the fake engine, for process-level tests (no JAX, starts in ~1 s).
 
-    python -m tests.serve.fake_server --port 8123 [--step-delay-s 0.01] [--api-key K]
+    python -m tests.serve.fake_server --port 8123 [--step-delay-s 0.01] [--api-key K] [--data-dir D]
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 from jaxinfer.engine.async_engine import AsyncEngine
 from serve.app import create_app
 from serve.cli import serve_app
+from serve.files_config import FilesConfig
 from serve.logs import configure_logging
 from tests.serve.fake_engine import FakeEngine
 
@@ -25,6 +26,7 @@ def main() -> None:
     p.add_argument("--shutdown-timeout", type=float, default=20.0)
     p.add_argument("--model-name", default="fake-model")
     p.add_argument("--no-access-log", action="store_true")
+    p.add_argument("--data-dir", default=None, help="serve /v1/files and /v1/batches from it")
     args = p.parse_args()
     started = time.monotonic()
     configure_logging("INFO")
@@ -32,7 +34,8 @@ def main() -> None:
                         max_model_len=args.max_model_len)
     async_engine = AsyncEngine(engine)
     app = create_app(async_engine, api_key=args.api_key, served_model_name=args.model_name,
-                     shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log)
+                     shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log,
+                     files=FilesConfig(data_dir=args.data_dir) if args.data_dir else None)
     serve_app(app, async_engine, host="127.0.0.1", port=args.port,
               shutdown_timeout=args.shutdown_timeout, started=started)
 
