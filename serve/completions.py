@@ -16,6 +16,7 @@ from serve.errors import APIError
 from serve.jobs import Finals, Job, plan_jobs, usage
 from serve.prompts import completion_prompts
 from serve.schemas import CompletionRequest
+from serve.structured import precompile, request_constraint
 from serve.state import ServerState
 from serve.writer import ChoiceWriter, respond
 
@@ -39,11 +40,15 @@ async def completions(server: ServerState, request: Request) -> Response:
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         prompts = await completion_prompts(engine.tokenizer, req.prompt, engine.vocab_size)
+        constraint, constraint_param = request_constraint(req.response_format,
+                                                          req.structured_outputs)
+        await precompile(engine, constraint, constraint_param)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         jobs = plan_jobs(engine, request_id, prompts, req, max_tokens=req.max_tokens,
                          logprobs=req.logprobs, prompt_param="prompt",
                          max_tokens_param="max_tokens",
-                         prompt_logprobs=req.logprobs if req.echo else None)
+                         prompt_logprobs=req.logprobs if req.echo else None,
+                         constraint=constraint)
     except APIError as e:
         return server.error(ENDPOINT, e)
     return await respond(server, request, ENDPOINT, jobs, t0,

@@ -17,7 +17,7 @@ from starlette.requests import Request
 
 from jaxinfer.engine.async_engine import AsyncEngine
 from jaxinfer.request import RequestOutput
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputs
 from serve import responses as R
 from serve.disconnect import ClientGone, until_disconnect
 from serve.errors import APIError, context_length_error, engine_api_error
@@ -44,7 +44,8 @@ Finals = dict[int, tuple[Job, RequestOutput]]  # choice index -> its job and its
 
 def plan_jobs(engine: AsyncEngine, request_id: str, prompts: list[Prompt], req: SamplingFields, *,
               max_tokens: int | None, logprobs: int | None, prompt_param: str,
-              max_tokens_param: str, prompt_logprobs: int | None = None) -> list[Job]:
+              max_tokens_param: str, prompt_logprobs: int | None = None,
+              constraint: StructuredOutputs | None = None) -> list[Job]:
     """The jobs of a request, choice index = prompt index * n + sample; APIError (400) when they
     can never run: more choices than the engine admits at once, a prompt (plus max_tokens, or
     plus min_tokens) longer than the context, or a sampling value SamplingParams refuses.
@@ -70,7 +71,7 @@ def plan_jobs(engine: AsyncEngine, request_id: str, prompts: list[Prompt], req: 
                                        min_tokens=req.min_tokens)
     samples = sample_params(req, max_tokens=max_tokens, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, vocab_size=engine.vocab_size,
-                            max_tokens_param=max_tokens_param)
+                            max_tokens_param=max_tokens_param, constraint=constraint)
     return [Job(p_idx * req.n + i, p_idx, f"{request_id}-{p_idx * req.n + i}", prompt, params,
                 req.priority)
             for p_idx, prompt in enumerate(prompts) for i, params in enumerate(samples)]

@@ -30,13 +30,14 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
 
 
 async def chat_prompt(tokenizer: Tokenizer, messages: list[Message],
-                      add_generation_prompt: bool) -> Prompt:
-    """The token ids of `messages` rendered by the chat template; a template that refuses them
-    (or has no chat template) is a 400 on `messages`."""
+                      add_generation_prompt: bool, tools: list[dict] | None = None) -> Prompt:
+    """The token ids of `messages` (and `tools`, when given) rendered by the chat template; a
+    template that refuses them (or has no chat template) is a 400 on `messages`."""
     conversation = [m.template_message() for m in messages]
+    extra = {"tools": tools} if tools else {}
     try:
         token_ids = await asyncio.to_thread(tokenizer.apply_chat_template, conversation,
-                                            add_generation_prompt=add_generation_prompt)
+                                            add_generation_prompt=add_generation_prompt, **extra)
     except (ValueError, TypeError, KeyError) as e:
         raise APIError(400, f"the chat template failed on these messages: {e}",
                        param="messages", code="invalid_value") from None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputs
 from serve.errors import APIError, from_value_error
 from serve.schemas import SamplingFields
 
@@ -17,14 +17,15 @@ _OPTIONAL_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penal
 
 def sample_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                   prompt_logprobs: int | None, vocab_size: int,
-                  max_tokens_param: str) -> list[SamplingParams]:
+                  max_tokens_param: str,
+                  constraint: StructuredOutputs | None = None) -> list[SamplingParams]:
     """`req.n` SamplingParams; APIError (400 naming the API's field) for a value SamplingParams
     refuses. `max_tokens_param` is the API's name of max_tokens (max_completion_tokens in chat)."""
     kw: dict[str, Any] = dict(
         n=1, max_tokens=max_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, logit_bias=req.logit_bias, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output)
+        include_stop_str_in_output=req.include_stop_str_in_output, structured_outputs=constraint)
     for name in _OPTIONAL_FIELDS:
         value = getattr(req, name)
         if value is not None:

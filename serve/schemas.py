@@ -272,6 +272,9 @@ class SamplingFields(ModelRequest):
     include_stop_str_in_output: bool | None = False
     priority: integer(ge=INT64_MIN, le=INT64_MAX) | None = 0  # lower runs first ("priority")
     spec_decode: bool | None = None  # speculative decoding for this request (None: engine default)
+    # output constraints (serve/structured.py checks them): OpenAI's, and vLLM's extension
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema"}
+    structured_outputs: dict[str, Any] | None = None  # {"json" | "regex" | "choice" | "grammar"}
 
     @field_validator("stop")
     @classmethod
@@ -297,6 +300,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: integer(ge=0, le=MAX_TOP_LOGPROBS) | None = None
     add_generation_prompt: bool | None = True  # extension: False continues the last assistant message
+    tools: list[dict[str, Any]] | None = None  # {"type": "function", "function": {...}} (serve/tools.py)
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | a named function
 
 
 class TokenizeRequest(ModelRequest):
