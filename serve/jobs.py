@@ -86,15 +86,17 @@ async def fan_in(engine: AsyncEngine, metrics: ServerMetrics, jobs: list[Job],
             async for out in outs:
                 yield jobs[0], out
         return
-    q: asyncio.Queue = asyncio.Queue()
+    # Bounded: when the consumer stops reading, the pumps stop and each job's engine stream
+    # keeps only its newest output (outputs are cumulative), so memory stays flat.
+    q: asyncio.Queue = asyncio.Queue(maxsize=len(jobs))
 
     async def pump(job: Job) -> None:
         try:
             async with contextlib.aclosing(_job_outputs(engine, metrics, job, t0)) as outs:
                 async for out in outs:
-                    q.put_nowait((job, out, None))
+                    await q.put((job, out, None))
         except Exception as e:  # noqa: BLE001 - handed to the consumer
-            q.put_nowait((job, None, e))
+            await q.put((job, None, e))
 
     tasks = [asyncio.create_task(pump(job)) for job in jobs]
     try:
