@@ -1,4 +1,4 @@
-"""The `jaxinfer` command: generate, serve, batch, quantize, eval-ppl.
+"""The `jaxinfer` command: generate, serve, batch, bench, quantize, eval-ppl.
 
 The engine flags of every subcommand are generated from EngineConfig (jaxinfer/config_args.py);
 `serve` and `batch` are the server package's own entry points (serve/cli.py, serve/batch_cli.py).
@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 
+from jaxinfer.bench.cli import add_bench_args, run_bench
 from jaxinfer.config import EngineConfig
 from jaxinfer.config_args import add_engine_args, engine_flags, engine_kwargs
 from jaxinfer.llm import LLM
@@ -125,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=512, help="tokens per window")
     add_engine_args(p)
     p.set_defaults(func=cmd_eval_ppl)
+
+    p = sub.add_parser("bench", help="throughput and latency on a synthetic workload: the "
+                                     "engine in process, or a server (--url)")
+    add_bench_args(p, default_model=DEFAULT_MODEL)
+    p.set_defaults(func=run_bench)
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     add_serve_args(p)
