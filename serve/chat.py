@@ -46,7 +46,7 @@ async def chat_completions(server: ServerState, request: Request) -> Response:
             constraint, constraint_param = plan.constraint(), "tools"
         await precompile(engine, constraint, constraint_param)
         prompt = await chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt,
-                                   plan.template_tools)
+                                   plan.template_tools, describe_tools=plan.mode == "auto")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = plan_jobs(engine, request_id, [prompt], req, max_tokens=_max_tokens(req),
                          logprobs=(req.top_logprobs or 0) if req.logprobs else None,

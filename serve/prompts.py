@@ -13,6 +13,7 @@ from typing import Sequence
 from jaxinfer.tokenizer import Tokenizer
 from serve.errors import APIError
 from serve.schemas import CompletionPrompt, Message
+from serve.tools import tools_system_prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,12 +31,17 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> No
 
 
 async def chat_prompt(tokenizer: Tokenizer, messages: list[Message],
-                      add_generation_prompt: bool, tools: list[dict] | None = None) -> Prompt:
+                      add_generation_prompt: bool, tools: list[dict] | None = None,
+                      describe_tools: bool = False) -> Prompt:
     """The token ids of `messages` (and `tools`, when given) rendered by the chat template; a
-    template that refuses them (or has no chat template) is a 400 on `messages`."""
+    template that refuses them (or has no chat template) is a 400 on `messages`. With
+    `describe_tools`, a template that ignores the tools gets them in a system message."""
     conversation = [m.template_message() for m in messages]
     extra = {"tools": tools} if tools else {}
     try:
+        if tools and describe_tools:
+            conversation = await asyncio.to_thread(_with_tools, tokenizer, conversation, tools,
+                                                   add_generation_prompt)
         token_ids = await asyncio.to_thread(tokenizer.apply_chat_template, conversation,
                                             add_generation_prompt=add_generation_prompt, **extra)
     except (ValueError, TypeError, KeyError) as e:
@@ -47,6 +53,21 @@ async def chat_prompt(tokenizer: Tokenizer, messages: list[Message],
                            param="messages", code="invalid_value") from None
         raise
     return Prompt(list(token_ids), None)
+
+
+def _with_tools(tokenizer: Tokenizer, conversation: list[dict], tools: list[dict],
+                add_generation_prompt: bool) -> list[dict]:
+    """The conversation as rendered with tools: unchanged when the chat template renders `tools`,
+    else with the tools described in a system message (Hermes style, serve/tools.py), appended to
+    the conversation's own system message if it has one."""
+    with_tools = tokenizer.render_chat_template(conversation, add_generation_prompt, tools=tools)
+    if with_tools != tokenizer.render_chat_template(conversation, add_generation_prompt):
+        return conversation
+    text = tools_system_prompt(tools)
+    if conversation and conversation[0].get("role") == "system":
+        first = conversation[0]
+        return [{**first, "content": f"{first.get('content') or ''}\n\n{text}"}] + conversation[1:]
+    return [{"role": "system", "content": text}] + conversation
 
 
 async def completion_prompts(tokenizer: Tokenizer, prompt: CompletionPrompt,

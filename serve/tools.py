@@ -4,7 +4,8 @@ puts on the output, and the calls read back out of the generated text.
 tool_choice "none": tools are ignored. "required": the output is constrained to a JSON array of
 calls, each `{"name": <one of the tools>, "arguments": <its parameters schema>}`. A named function:
 the output is constrained to that function's arguments object. "auto" (the default with tools):
-the chat template renders the tools, the model writes what it likes, and calls written in the
+the chat template renders the tools (one that ignores them gets them in a system message,
+`tools_system_prompt`; forced calls rely on the grammar instead), the model writes what it likes, and calls written in the
 Hermes / SmolLM2 style, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (one block per
 call; a block that is not such JSON stays in the content), become `message.tool_calls`; the text
 outside the blocks, stripped, is the content (null when empty).
@@ -78,6 +79,16 @@ class ToolPlan:
         if self.mode == "auto":
             return parse_hermes(text)
         return text, []
+
+
+def tools_system_prompt(tools: list[dict]) -> str:
+    """The tools described for a chat template that does not render them (SmolLM2's does not):
+    the Hermes convention the "auto" parser reads back."""
+    listing = "\n".join(json.dumps(t["function"]) for t in tools)
+    return ("You may call one or more functions to assist with the user query. The functions "
+            f"are:\n<tools>\n{listing}\n</tools>\nTo call a function, write a JSON object "
+            "with its name and arguments within <tool_call></tool_call> tags:\n<tool_call>\n"
+            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
 def tool_call(name: str, arguments: str) -> dict:

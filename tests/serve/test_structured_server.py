@@ -150,10 +150,11 @@ def test_streamed_tool_call_reassembles(client, tool_choice):
     assert all(c["id"] for c in calls)
 
 
-def test_auto_renders_and_passes_plain_text(client):
-    r = client.post("/v1/chat/completions", json=_tool_body("auto", max_tokens=8))
+def test_tool_choice_none_is_plain_text(client):
+    r = client.post("/v1/chat/completions", json=_tool_body("none", max_tokens=8))
     assert r.status_code == 200, r.text
-    assert "tool_calls" not in r.json()["choices"][0]["message"]  # a random model writes no call
+    message = r.json()["choices"][0]["message"]
+    assert "tool_calls" not in message and isinstance(message["content"], str)
 
 
 def test_hermes_parser():
@@ -179,3 +180,18 @@ def test_auto_stream_holds_back_a_call_and_passes_text():
     s = ToolStream(plan)
     assert s.feed("<t", False) == [] and s.feed("hat", False) == [{"content": "<that"}]
     assert s.feed(" more", True) == [{"content": " more"}]
+
+
+def test_tools_described_when_the_template_ignores_them(tiny_llm):
+    import asyncio
+
+    from serve.prompts import chat_prompt
+    from serve.schemas import UserMessage
+
+    tok = tiny_llm.engine.tokenizer  # the tiny ChatML template has no tools block
+    msgs = [UserMessage(role="user", content="hi")]
+    plain = asyncio.run(chat_prompt(tok, msgs, True))
+    with_tools = asyncio.run(chat_prompt(tok, msgs, True, TOOLS, describe_tools=True))
+    text = tok.decode(with_tools.token_ids, skip_special_tokens=False)
+    assert with_tools.token_ids != plain.token_ids
+    assert "<tools>" in text and "get_weather" in text and "<tool_call>" in text
