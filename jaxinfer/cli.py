@@ -1,4 +1,4 @@
-"""The `jaxinfer` command: generate, serve, batch, bench, quantize, eval-ppl.
+"""The `jaxinfer` command: generate, chat, serve, batch, bench, quantize, eval-ppl.
 
 The engine flags of every subcommand are generated from EngineConfig (jaxinfer/config_args.py);
 `serve` and `batch` are the server package's own entry points (serve/cli.py, serve/batch_cli.py).
@@ -17,6 +17,7 @@ import textwrap
 import time
 
 from jaxinfer.bench.cli import add_bench_args, run_bench
+from jaxinfer.chat.cli import add_chat_args, run_chat
 from jaxinfer.config import EngineConfig
 from jaxinfer.config_args import add_engine_args, engine_flags, engine_kwargs
 from jaxinfer.llm import LLM
@@ -131,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                                      "engine in process, or a server (--url)")
     add_bench_args(p, default_model=DEFAULT_MODEL)
     p.set_defaults(func=run_bench)
+
+    p = sub.add_parser("chat", help="interactive streaming chat in the terminal: the engine in "
+                                    "process, or a server (--url)")
+    add_chat_args(p, default_model=DEFAULT_MODEL)
+    p.set_defaults(func=run_chat)
 
     p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     add_serve_args(p)

@@ -1,0 +1,78 @@
+"""`jaxinfer chat` driven through a pseudo-terminal (pexpect): against the fake-engine server
+(--url), a question's answer streams, the next question carries the history (the server's access
+log shows a longer prompt), /reset forgets it, /exit quits; and in process on the tiny Llama."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+
+import pexpect
+
+from tests.serve.conftest import free_port
+from tests.serve.fake_engine import GREEDY_TEXT
+from tests.serve.server_process import ROOT, server_process
+
+STATS = r"\[(\d+) tokens, [\d.]+ tok/s, first token \d+ ms\]"
+
+
+def spawn(args: list[str], timeout: float) -> pexpect.spawn:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "TERM": "dumb"}
+    return pexpect.spawn(sys.executable, ["-m", "jaxinfer.cli", "chat", *args], cwd=ROOT,
+                         env=env, encoding="utf-8", timeout=timeout, dimensions=(50, 200))
+
+
+def ask(child: pexpect.spawn, question: str) -> tuple[str, int]:
+    """(the streamed answer, its token count from the stats line)."""
+    child.sendline(question)
+    child.expect(STATS)
+    tokens = int(child.match.group(1))
+    answer = child.before.replace("\r", "")
+    answer = answer.split(question + "\n", 1)[-1].strip("\n")
+    child.expect_exact(">>> ")
+    return answer, tokens
+
+
+def prompt_lengths(log: str) -> list[int]:
+    return [int(n) for n in re.findall(r"POST /v1/chat/completions 200 prompt=(\d+)", log)]
+
+
+def test_chat_against_a_server_with_history_reset_and_exit():
+    port = free_port()
+    with server_process(["-m", "tests.serve.fake_server", "--port", str(port)], port,
+                        timeout=60.0) as srv:
+        child = spawn(["--url", srv.base_url, "--temperature", "0", "--max-tokens", "12"], 60.0)
+        child.expect_exact(">>> ")
+        answer, tokens = ask(child, "Hello there")
+        assert tokens == 12 and len(answer) == 12 and answer in GREEDY_TEXT * 2, answer
+        ask(child, "And again")
+        child.sendline("/reset")
+        child.expect_exact("(conversation cleared)")
+        child.expect_exact(">>> ")
+        ask(child, "Hello there")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0
+        deadline = time.monotonic() + 10
+        while len(prompt_lengths(srv.log())) < 3:
+            assert time.monotonic() < deadline, srv.log()[-2000:]
+            time.sleep(0.05)
+        first, second, after_reset = prompt_lengths(srv.log())
+        assert second > first + 12  # the first question and answer came along
+        assert after_reset == first
+
+
+def test_chat_in_process_tiny_model(tiny_llama_dir):
+    child = spawn(["--model", str(tiny_llama_dir), "--temperature", "0", "--max-tokens", "8",
+                   "--num-pages", "64", "--page-size", "8", "--max-num-seqs", "2",
+                   "--max-num-batched-tokens", "64", "--max-model-len", "256"], 600.0)
+    child.expect_exact(">>> ")
+    _, tokens = ask(child, "Hello")
+    assert 1 <= tokens <= 8
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
