@@ -4,7 +4,8 @@ private cache root for the test session.
 jaxinfer's disk caches (converted weights and tokenizers, jaxinfer/disk_cache.py) live under a
 temporary JAXINFER_CACHE_DIR made for the session and deleted after it (the root of a killed run
 goes a day later), so a test never reads an entry that the developer's runs or another checkout
-left behind; the first SmolLM2 load of a session converts the file (about 15 s).
+left behind; the first SmolLM2 load of a session converts the file (about 15 s). XDG_DATA_HOME
+points into that root too, so a server a test starts keeps its files and batches there.
 
 The compiled C++ CPU kernels stay shared (the session root links to the developer's directory):
 cpu_kernels/build.py names each binary by everything that shapes it (source and headers,
@@ -49,6 +50,7 @@ def pytest_configure(config):
     root = Path(tempfile.mkdtemp(prefix=_CACHE_PREFIX))
     config.stash[_CACHE_ROOT] = root
     os.environ[disk_cache.CACHE_DIR_ENV] = str(root)
+    os.environ["XDG_DATA_HOME"] = str(root / "data")  # `jaxinfer serve`'s default --data-dir
     try:
         shared_kernels.mkdir(parents=True, exist_ok=True)
         (root / shared_kernels.name).symlink_to(shared_kernels, target_is_directory=True)
