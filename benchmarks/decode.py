@@ -1,106 +1,180 @@
-"""Decode speed: jaxinfer vs HF transformers `generate` on the same weights, in the same run.
+"""Decode and prefill speed at fixed batch sizes and contexts: jaxinfer beside llama.cpp's
+`llama-batched-bench` on the same GGUF, in the same run.
 
-    python benchmarks/decode.py [--model smollm2-135m] [--new-tokens 64] [--batch 32] [--no-hf]
+    python benchmarks/decode.py [--model smollm2-135m] [--batches 1,16,64] [--contexts 32,512]
+                                [--new-tokens 32] [--llama-batched-bench PATH] [--no-llama] [--hf]
 
-Prints a table of output tokens/s at batch 1 and batch N, and the ratio jaxinfer / transformers.
-Greedy, ignore_eos, exact lengths; compile/warm-up runs are excluded from the timings.
+For each batch B and context C: B prompts of C random tokens (distinct, prefix caching off) are
+prefilled, then decoded N more tokens, greedy with EOS ignored. jaxinfer's decode tok/s is
+B * N / (time of prefill + N tokens - time of the prefill alone), both timed after an untimed
+warm-up of every shape bucket; its prefill tok/s is C / (time to the first token) at B = 1.
+`llama-batched-bench` (llama.cpp's own benchmark: `-npp C -ntg N -npl B`) reports the same two
+rates (S_TG, S_PP at B = 1) on the same GGUF with all CPU threads; its first configuration is
+run twice and the first result dropped (it pays for loading the file). Build it with the
+llama.cpp peer build (benchmarks/README.md); its path comes from `--llama-batched-bench` or
+$LLAMA_BATCHED_BENCH. `--hf` adds transformers `generate` on the GGUF dequantized to float32 at
+batch 1 and the largest batch at the smallest context.
+
+The table: one row per (B, C), tok/s of each system and jaxinfer's ratio to llama.cpp; then the
+prefill row.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
 import jax
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-PROMPTS = [
-    "The history of the printing press begins",
-    "Write a short poem about the sea.",
-    "In computer science, a hash table is",
-    "The three primary colours are",
-]
+from jaxinfer.models.loader import model_source  # noqa: E402
 
 
-def bench_jaxinfer(model: str, batch_sizes: list[int], new_tokens: int, engine_kwargs: dict) -> dict:
+def random_prompts(batch: int, context: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(100, 30_000, context).tolist() for _ in range(batch)]
+
+
+def bench_jaxinfer(model: str, batches: list[int], contexts: list[int], new_tokens: int,
+                   engine_kwargs: dict) -> tuple[dict, float]:
+    """({(B, C): decode tok/s}, prefill tok/s of the largest context at B = 1)."""
     from jaxinfer import LLM, SamplingParams
 
-    llm = LLM(model, **engine_kwargs)
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    results = {}
-    for b in batch_sizes:
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
-        llm.generate(prompts, params, use_tqdm=False)  # compile every shape this run touches
+    llm = LLM(model, warmup=True, **engine_kwargs)
+    prefill_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    full = SamplingParams(max_tokens=1 + new_tokens, temperature=0.0, ignore_eos=True)
+
+    def timed(prompts, params) -> float:
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        results[b] = sum(len(o.outputs[0].token_ids) for o in outs) / dt
-    return results
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    decode, prefill = {}, 0.0
+    for c in contexts:
+        for b in batches:
+            prompts = random_prompts(b, c, seed=b * 100_000 + c)
+            timed(prompts, full)  # every shape this case touches, once
+            t_prefill = min(timed(prompts, prefill_only) for _ in range(2))
+            t_full = timed(prompts, full)
+            decode[(b, c)] = b * new_tokens / max(t_full - t_prefill, 1e-9)
+            if b == 1 and c == max(contexts):
+                prefill = c / t_prefill
+            print(f"jaxinfer B={b} C={c}: {decode[(b, c)]:.1f} tok/s", flush=True)
+    return decode, prefill
 
 
-def bench_hf(model_path: str, gguf_file: str | None, batch_sizes: list[int], new_tokens: int) -> dict:
+def bench_llama(binary: str, gguf: str, batches: list[int], contexts: list[int],
+                new_tokens: int) -> tuple[dict, float]:
+    """({(B, C): S_TG tok/s}, S_PP tok/s of the largest context at B = 1)."""
+    ctx = max(batches) * (max(contexts) + new_tokens) + 64
+    cmd = [binary, "-m", gguf, "-c", str(ctx), "-b", "2048", "-ub", "512",
+           "-npp", ",".join(map(str, contexts)), "-ntg", str(new_tokens),
+           "-npl", ",".join(map(str, [batches[0]] + batches)), "-t", str(os.cpu_count() or 1),
+           "--output-format", "jsonl"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    seen, decode, prefill = set(), {}, 0.0
+    for r in rows:
+        key = (r["pl"], r["pp"])
+        if key == (batches[0], contexts[0]) and key not in seen:
+            seen.add(key)  # the first run of the first configuration: loading, dropped
+            continue
+        decode[key] = r["speed_tg"]
+        if r["pl"] == 1 and r["pp"] == max(contexts):
+            prefill = r["speed_pp"]
+    return decode, prefill
+
+
+def bench_hf(folder: str, gguf_file: str, batches: list[int], context: int,
+             new_tokens: int) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(os.cpu_count() or 1)
-    kw = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(model_path, **kw)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32, **kw).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file,
+                                                 torch_dtype=torch.float32).eval()
     results = {}
-    for b in batch_sizes:
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(b)]
-        enc = tok(prompts, return_tensors="pt", padding=True)
-        gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                   pad_token_id=tok.pad_token_id)
+    for b in batches:
+        ids = torch.tensor(random_prompts(b, context, seed=b * 100_000 + context))
+        gen = dict(do_sample=False, pad_token_id=0)
         with torch.inference_mode():
-            model.generate(**enc, **{**gen, "max_new_tokens": 4, "min_new_tokens": 4})
+            model.generate(ids, max_new_tokens=2, min_new_tokens=2, **gen)
             t0 = time.perf_counter()
-            out = model.generate(**enc, **gen)
-            dt = time.perf_counter() - t0
-        results[b] = (out.shape[1] - enc["input_ids"].shape[1]) * b / dt
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen)
+            t_prefill = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=1 + new_tokens, min_new_tokens=1 + new_tokens, **gen)
+            results[(b, context)] = b * new_tokens / (time.perf_counter() - t0 - t_prefill)
     return results
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--dummy", action="store_true",
-                    help="random weights of MODEL's shapes (a directory with config.json and "
-                         "tokenizer files); implies --no-hf")
-    ap.add_argument("--attention-backend", default="auto")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m", help="a known name or a .gguf file")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--contexts", default="32,512")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--llama-batched-bench", default=os.environ.get("LLAMA_BATCHED_BENCH") or
+                    os.path.expanduser("~/.cache/jaxinfer-peers/llama-batched-bench"))
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--hf", action="store_true", help="also transformers generate (slow)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="an EngineConfig setting for jaxinfer (repeatable; values as JSON)")
     args = ap.parse_args()
+    batches = sorted(int(x) for x in args.batches.split(","))
+    contexts = sorted(int(x) for x in args.contexts.split(","))
 
-    from jaxinfer.models.loader import model_source
+    source = model_source(args.model)
+    page_size = 16
+    pages_per_seq = -(-(max(contexts) + args.new_tokens + 1) // page_size)
+    engine_kwargs = dict(max_model_len=pages_per_seq * page_size, page_size=page_size,
+                         max_num_seqs=max(batches), num_pages=max(batches) * pages_per_seq + 8,
+                         enable_prefix_caching=False)
+    for item in args.engine_arg:
+        key, _, value = item.partition("=")
+        try:
+            engine_kwargs[key] = json.loads(value)
+        except json.JSONDecodeError:
+            engine_kwargs[key] = value
+    ours, our_prefill = bench_jaxinfer(args.model, batches, contexts, args.new_tokens,
+                                       engine_kwargs)
+    llama, llama_prefill = {}, 0.0
+    if not args.no_llama:
+        gguf = os.path.join(source.path, source.gguf_file) if source.gguf_file else None
+        if gguf is None or not os.path.exists(args.llama_batched_bench):
+            print(f"llama-batched-bench skipped: {args.llama_batched_bench} or the GGUF is missing")
+        else:
+            llama, llama_prefill = bench_llama(args.llama_batched_bench, gguf, batches, contexts,
+                                               args.new_tokens)
+    hf = {}
+    if args.hf:
+        hf = bench_hf(source.path, source.gguf_file, [batches[0], batches[-1]], contexts[0],
+                      args.new_tokens)
 
-    source = None if args.dummy else model_source(args.model)
-    args.no_hf |= args.dummy
-    batch_sizes = [1, args.batch]
-    engine_kwargs = dict(max_model_len=512, max_num_seqs=max(batch_sizes), num_pages=1024,
-                         attention_backend=args.attention_backend)
-    if args.dummy:
-        engine_kwargs.update(load_format="dummy", tokenizer=args.model)
-    ours = bench_jaxinfer(args.model, batch_sizes, args.new_tokens, engine_kwargs)
-    print("jaxinfer tok/s:", {b: round(v, 1) for b, v in ours.items()}, flush=True)
-    hf = {} if args.no_hf else bench_hf(source.path, source.gguf_file, batch_sizes, args.new_tokens)
+    def cell(v):
+        return f"{v:.1f}" if v else "n/a"
 
-    print(f"\nDecode, {args.model}, greedy, {args.new_tokens} new tokens, float32, "
-          f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPU cores")
-    print(f"{'batch':>6} | {'jaxinfer tok/s':>15} | {'transformers tok/s':>19} | {'ratio':>6}")
-    print("-" * 56)
-    for b in batch_sizes:
-        h = hf.get(b)
-        ratio = f"{ours[b] / h:6.2f}" if h else "   n/a"
-        hs = f"{h:19.1f}" if h else f"{'n/a':>19}"
-        print(f"{b:>6} | {ours[b]:15.1f} | {hs} | {ratio}")
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if a and b else "n/a"
+
+    print(f"\nDecode, {args.model}, greedy, {args.new_tokens} new tokens after a context of C, "
+          f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores, engine {engine_kwargs}")
+    print("| batch | context | jaxinfer tok/s | llama.cpp tok/s | jaxinfer / llama.cpp | "
+          "transformers tok/s |")
+    print("|---|---|---|---|---|---|")
+    for c in contexts:
+        for b in batches:
+            k = (b, c)
+            print(f"| {b} | {c} | {cell(ours[k])} | {cell(llama.get(k))} | "
+                  f"{ratio(ours[k], llama.get(k))} | {cell(hf.get(k))} |")
+    print(f"| prefill, 1 x {max(contexts)} tokens | | {cell(our_prefill)} | {cell(llama_prefill)} "
+          f"| {ratio(our_prefill, llama_prefill)} | |")
 
 
 if __name__ == "__main__":
