@@ -6,47 +6,21 @@ nobody, holds one output's memory, and its request is aborted when it leaves."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 from jaxinfer.engine.async_engine import AsyncEngine
 from jaxinfer.sampling_params import SamplingParams
-from serve.app import create_app
-from tests.serve.conftest import MODEL, anyio_backend, free_port  # noqa: F401 - a fixture
+from tests.serve.conftest import MODEL, anyio_backend  # noqa: F401 - a fixture
 from tests.serve.fake_engine import FakeEngine
+from tests.serve.uvicorn_thread import serving
 
 MAX_NUM_SEQS = 4
 MAX_WAITING = 8
-
-
-@contextlib.contextmanager
-def serving(engine: FakeEngine, max_waiting: int):
-    ae = AsyncEngine(engine, max_waiting=max_waiting)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(ae, served_model_name=MODEL), host="127.0.0.1",
-                                           port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        time.sleep(0.05)
-    try:
-        yield base, ae
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive()
 
 
 async def _one(client: httpx.AsyncClient, max_tokens: int) -> tuple[int, float, httpx.Response]:
