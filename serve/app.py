@@ -7,7 +7,9 @@ Routes (ENDPOINTS): POST /v1/completions (serve/completions.py), POST /v1/chat/c
 (serve/chat.py), both with `stream` (serve/streaming.py); GET /v1/models, GET /health, GET /metrics,
 POST /tokenize, POST /detokenize (serve/info.py); with a FilesConfig, /v1/files and /v1/batches (serve/batch_runs.py
 runs the batches on this app); GET /openapi.json, the request schemas of these
-routes (serve/openapi.py). Every error has OpenAI's shape (serve/errors.py); with
+routes (serve/openapi.py); GET /v1/engine/stats, the /metrics numbers as JSON
+(serve/engine_stats.py); unless `webui=False`, the chat and dashboard page on GET / (serve/page.py,
+served without the API key). Every error has OpenAI's shape (serve/errors.py); with
 `access_log=True` (`jaxinfer serve`) each request gets one access log line (serve/access_log.py).
 The app's state is the one `ServerState` made here, handed to each route.
 """
@@ -34,10 +36,12 @@ from serve.batch_runs import make_batch_runs
 from serve.batches_routes import FILES_API_ROUTES
 from serve.chat import chat_completions
 from serve.completions import completions
+from serve.engine_stats import engine_stats
 from serve.errors import APIError
 from serve.files_config import FilesConfig
 from serve.metrics import ServerMetrics
 from serve.openapi import Operation, openapi_document, openapi_json
+from serve.page import PAGE_PATHS, page_routes
 from serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,6 +62,7 @@ ENDPOINTS = (
     ("/v1/models/{model:path}", "GET", info.model, None),
     ("/health", "GET", info.health, None),
     ("/metrics", "GET", info.metrics, None),
+    ("/v1/engine/stats", "GET", engine_stats, None),
     ("/tokenize", "POST", info.tokenize, TokenizeRequest),
     ("/detokenize", "POST", info.detokenize, DetokenizeRequest),
 )
@@ -66,7 +71,7 @@ ENDPOINTS = (
 def create_app(async_engine: AsyncEngine, *, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, served_model_name: str = "jaxinfer",
                shutdown_timeout: float = 30.0, access_log: bool = False,
-               files: FilesConfig | None = None) -> Starlette:
+               files: FilesConfig | None = None, webui: bool = True) -> Starlette:
     """The app over `async_engine`, which it starts with the app and shuts down (draining
     requests for up to `shutdown_timeout` seconds) when the app stops. With `files`, the Files
     and Batches API too (serve/files_routes.py, serve/batches_routes.py)."""
@@ -104,11 +109,14 @@ def create_app(async_engine: AsyncEngine, *, api_key: str | None = None,
                for path, method, endpoint in FILES_API_ROUTES])
     routes.append(Route("/openapi.json", functools.partial(openapi_json, document),
                         methods=["GET"]))
+    if webui:
+        routes += page_routes()
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         HTTPException: _http_exception, Exception: _internal_error})
     app.state.server = server
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key,
+                           open_paths=OPEN_PATHS + (PAGE_PATHS if webui else ()))
     if access_log:  # added last: the outermost, so it logs the 401s too
         app.add_middleware(AccessLogMiddleware)
     return app
@@ -120,14 +128,15 @@ def _summary(endpoint) -> str:
 
 
 class APIKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` (constant-time compare) except on OPEN_PATHS."""
+    """Requires `Authorization: Bearer <key>` (constant-time compare) except on `open_paths`."""
 
-    def __init__(self, app: ASGIApp, api_key: str):
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = OPEN_PATHS):
         self.app = app
         self._key = api_key.encode()
+        self._open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self._open_paths:
             return await self.app(scope, receive, send)
         provided = b""
         for name, value in scope.get("headers", ()):

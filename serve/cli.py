@@ -91,6 +91,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         "DEBUG adds each compiled step shape")
     g.add_argument("--no-access-log", action="store_true",
                    help="no log line per request")
+    g.add_argument("--no-webui", action="store_true",
+                   help="no chat and dashboard page on / (it is served without the API key)")
     add_files_args(parser)
     add_engine_args(parser)
 
@@ -167,7 +169,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(async_engine, api_key=api_key, max_body_bytes=args.max_body_bytes,
                      served_model_name=args.served_model_name or served_name(args.model),
                      shutdown_timeout=args.shutdown_timeout, access_log=not args.no_access_log,
-                     files=files_config(args))
+                     files=files_config(args), webui=not args.no_webui)
     serve_app(app, async_engine, host=args.host, port=args.port,
               shutdown_timeout=args.shutdown_timeout, started=started)
     return 0

@@ -1,5 +1,7 @@
 """Prometheus metrics of one server: its own registry (no global state), the server's histograms and
-counters, and gauges/counters read from the engine's last metrics snapshot at scrape time."""
+counters, and gauges/counters read from the engine's last metrics snapshot at scrape time.
+`render()` is GET /metrics; `samples()` is the same registry as numbers, which GET
+/v1/engine/stats (serve/engine_stats.py) reads, so the two never disagree on a value's source."""
 
 from __future__ import annotations
 
@@ -93,3 +95,9 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def samples(self) -> dict[str, float]:
+        """The registry's unlabelled samples, named as /metrics names them (counters with
+        `_total`; histograms' `_sum` and `_count`), without the `_created` timestamps."""
+        return {s.name: s.value for family in self.registry.collect() for s in family.samples
+                if not s.labels and not s.name.endswith("_created")}
