@@ -82,9 +82,9 @@ class LLMEngine:
                                    policy=self.engine_config.scheduling_policy,
                                    spec_policy=SpecPolicy.from_config(self.engine_config))
         self.outputs = OutputProcessor(self.tokenizer)
-        self.buckets = StepBuckets.coarse(self.engine_config, self.max_model_len,
         self.grammars = GrammarCompiler(self.tokenizer.hf_tokenizer, self.model_config.vocab_size,
                                         eos_ids)
+        self.buckets = StepBuckets.coarse(self.engine_config, self.max_model_len,
                                           exact_verify=self.runner.attention_backend != "pallas")
         logger.info(
             "KV cache: %d pages of %d tokens = %d tokens (%.1f MiB)",
@@ -176,10 +176,10 @@ class LLMEngine:
         method = self.engine_config.speculative_method
         if params.spec_decode and method is None:
             raise ValueError("spec_decode=True needs an engine with speculative_method set")
-        req = Request(
         grammar = None  # a constrained request gets no drafts (its mask covers one token a step)
         if params.structured_outputs is not None:
             grammar = self.grammars.request_grammar(params.structured_outputs)
+        req = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,

@@ -433,14 +433,14 @@ class Scheduler:
             req.append_output_token(token_id, now)
             if num_logprobs is not None and out.has_logprobs:
                 req.output_logprobs.append(out.sampled_logprobs(first_row + i, token_id, num_logprobs))
+            if req.grammar is not None and req.grammar.advance(token_id):
+                return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing else fits
             status = self._check_stop(req, token_id)
             if status is not None:
                 return status
         return None
 
     def _trim_pages(self, req: Request) -> None:
-            if req.grammar is not None and req.grammar.advance(token_id):
-                return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing else fits
         """Frees the pages past `num_computed_tokens` (rejected drafts, draft lookahead)."""
         keep = self._num_pages_for(req.num_computed_tokens)
         req.num_lookahead_tokens = 0
