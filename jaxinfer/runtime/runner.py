@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxinfer import ops
 from jaxinfer.config import EngineConfig, ModelConfig
@@ -18,6 +19,7 @@ from cpu_kernels.ragged_paged_attention import MAX_PAGE_SIZE as MAX_CPU_PAGE_SIZ
 from jaxinfer.ops.kv_cache import allocate_kv_cache
 from jaxinfer.runtime.draft_model import DraftModel
 from jaxinfer.runtime.executable_cache import ExecutableCache
+from jaxinfer.runtime.sharding import allocate_sharded_kv_cache, attention_backend_for, shard_model
 from jaxinfer.runtime.step import StepFlags, make_jitted_draft_step, make_jitted_step
 from jaxinfer.sched.output import RunnerOutput
 from jaxinfer.sched.step_input import StepInput
@@ -33,12 +35,16 @@ class ModelRunner:
         model: nnx.Module,
         num_pages: int,
         draft: DraftModel | None = None,  # run with the target in every step
+        mesh: Mesh | None = None,  # place weights and KV cache on it (runtime/sharding.py)
     ):
         self.model_config = model_config
         self.engine_config = engine_config
         self.num_pages = num_pages
-        self.attention_backend = ops.resolve_backend(engine_config.attention_backend)
+        self.mesh = mesh
+        self.attention_backend = attention_backend_for(engine_config.attention_backend, mesh)
         self.flags = StepFlags(attention_backend=self.attention_backend)
+        if mesh is not None:
+            shard_model(model, model_config, mesh)
         if ops.unrolled_layers_faster():
             model.unroll_layers()
         graphdef, self.state = nnx.split(model)
@@ -50,8 +56,13 @@ class ModelRunner:
         if head_major and engine_config.page_size > MAX_CPU_PAGE_SIZE:
             raise ValueError(f"page_size={engine_config.page_size} is larger than the CPU attention "
                              f"kernel takes ({MAX_CPU_PAGE_SIZE}); use attention_backend='xla'")
-        self.kv_cache = allocate_kv_cache(model_config, num_pages, engine_config.page_size, kv_dtype,
-                                          head_major=head_major)
+        if mesh is None:
+            self.kv_cache = allocate_kv_cache(model_config, num_pages, engine_config.page_size,
+                                              kv_dtype, head_major=head_major)
+        else:
+            self.kv_cache = allocate_sharded_kv_cache(model_config, num_pages,
+                                                      engine_config.page_size, kv_dtype,
+                                                      head_major=head_major, mesh=mesh)
         self._seen_signatures: set[tuple] = set()
         self._executables: dict[tuple, jax.stages.Compiled] = {}  # compiled ahead (compile())
         self._executable_cache = ExecutableCache.from_jax_config()
@@ -107,8 +118,9 @@ class ModelRunner:
 
     def restore_caches(self) -> bool:
         """After a failed step: re-allocates (zeroed, same shapes, dtypes and placement) each
-        donated cache a step consumed before it failed, so the next step has buffers to run on.
-        True when any was lost, i.e. every page's K/V is gone and the prefix cache must go too."""
+        donated cache the step consumed or left as its own failed outputs, so the next step has
+        buffers to run on. True when any was lost: every page's K/V is gone (so is the prefix
+        cache's)."""
         lost = _consumed(self.kv_cache)
         if lost:
             self.kv_cache = _zeros_like(self.kv_cache)
@@ -167,8 +179,16 @@ class ModelRunner:
 
 
 def _consumed(tree) -> bool:
-    """Whether any array of `tree` was deleted (donated to a step that then failed)."""
-    return any(x.is_deleted() for x in jax.tree_util.tree_leaves(tree))
+    """Whether any array of `tree` is unusable: deleted (donated to a step that then failed) or
+    the output of a step whose failure showed only when it was awaited (dispatch is async)."""
+    for x in jax.tree_util.tree_leaves(tree):
+        if x.is_deleted():
+            return True
+        try:
+            x.block_until_ready()
+        except Exception:  # noqa: BLE001 - the step's error, raised again by its outputs
+            return True
+    return False
 
 
 def _zeros_like(tree):

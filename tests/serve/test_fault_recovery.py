@@ -26,10 +26,11 @@ MODEL = "tiny"
 
 class FailingStep:
     """Replaces `runner._step` (the jitted step; the runner has no ahead-of-time executables
-    without warm-up): the next `times` calls delete the donated KV cache and raise."""
+    without warm-up): the next `times` calls delete the donated KV cache and raise, or with
+    `late`, return outputs whose computation failed (the error shows when they are awaited)."""
 
     def __init__(self, runner):
-        self.runner, self.real, self.times = runner, runner._step, 0
+        self.runner, self.real, self.times, self.late = runner, runner._step, 0, False
         assert not runner._executables
         runner._step = self
 
@@ -37,9 +38,26 @@ class FailingStep:
         if self.times <= 0:
             return self.real(*args)
         self.times -= 1
-        for x in jax.tree_util.tree_leaves(args[1]):  # args: state, kv_cache, buf, ...
+        if self.late:  # args: state, kv_cache, buf, ...
+            return FailedArray(args[1].k), jax.tree_util.tree_map(FailedArray, args[1])
+        for x in jax.tree_util.tree_leaves(args[1]):
             x.delete()
         raise RuntimeError("RESOURCE_EXHAUSTED: injected out of device memory")
+
+
+class FailedArray:
+    """An output of a failed asynchronous computation: its metadata reads, awaiting it raises."""
+
+    def __init__(self, like):
+        self.shape, self.dtype, self.sharding = like.shape, like.dtype, like.sharding
+
+    def is_deleted(self) -> bool:
+        return False
+
+    def block_until_ready(self):
+        raise RuntimeError("INTERNAL: injected failure of an asynchronous step")
+
+    copy_to_host_async = block_until_ready
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +108,19 @@ def test_failed_step_ends_its_requests_and_the_engine_recovers(engine, failing, 
     _all_pages_back(engine)
     assert [_run(engine, f"after{i}", p) for i, p in enumerate(PROMPTS)] == reference
     _all_pages_back(engine)
+
+
+def test_a_failure_that_shows_when_the_step_is_awaited_recovers_too(engine, failing, reference):
+    engine.add_request("late", PROMPTS[0], GREEDY)
+    failing.times, failing.late = 1, True
+    try:
+        with pytest.raises(StepFailed, match="INTERNAL"):
+            engine.step()
+    finally:
+        failing.late = False
+    assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(engine.runner.kv_cache))
+    _all_pages_back(engine)
+    assert _run(engine, "after-late", PROMPTS[0]) == reference[0]
 
 
 @pytest.fixture(scope="module")
