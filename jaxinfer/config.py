@@ -245,6 +245,9 @@ class EngineConfig:
     # whose time stays within 1.5x a one-token step)
     spec_max_batched_tokens: int | None = None
     spec_min_accept_prob: float = 0.3  # the j-th draft is proposed while alpha**j >= this
+    # tensor parallelism (docs/scale_out.md): devices the weights and KV heads are split over
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine replicas on disjoint device groups, each its own KV pool
 
     def __post_init__(self):
         _check_choices(self)
@@ -269,6 +272,13 @@ class EngineConfig:
             raise ValueError(f"spec_max_batched_tokens={self.spec_max_batched_tokens} must be >= 0")
         if not 0.0 <= self.spec_min_accept_prob <= 1.0:
             raise ValueError(f"spec_min_accept_prob={self.spec_min_accept_prob} must be in [0, 1]")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be at least 1")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} must be at least 1")
+        if self.tensor_parallel_size > 1 and self.speculative_method == "draft":
+            raise ValueError("speculative_method='draft' is not supported with "
+                             f"tensor_parallel_size={self.tensor_parallel_size} (ngram is)")
 
 
 def literal_choices(annotation) -> tuple | None:

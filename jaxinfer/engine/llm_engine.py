@@ -17,7 +17,9 @@ from jaxinfer.models.loader import load_model, model_source
 from jaxinfer.ops.kv_cache import kv_cache_bytes_per_page
 from jaxinfer.request import Request, RequestOutput
 from jaxinfer.runtime.draft_model import DraftModel, load_draft_model
+from jaxinfer.runtime.mesh import engine_mesh, smallest_free_bytes, tp_size
 from jaxinfer.runtime.runner import ModelRunner, device_memory_bytes_free, kv_dtype_of, param_bytes
+from jaxinfer.runtime.sharding import check_tensor_parallel, shard_model
 from jaxinfer.runtime.spec_decode import DraftProposer
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.sched.buckets import StepBuckets
@@ -25,8 +27,8 @@ from jaxinfer.sched.scheduler import Scheduler
 from jaxinfer.sched.spec_policy import SpecPolicy
 from jaxinfer.sched.stats import SchedulerStats
 from jaxinfer.sched.step_input import make_step_input, warmup_step_inputs
-from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.structured import GrammarCompiler, bitmask_words
+from jaxinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +56,16 @@ class EngineMetrics(SchedulerStats):
 
 
 class LLMEngine:
-    def __init__(self, model: str, *, tokenizer: str | None = None, **engine_kwargs):
+    def __init__(self, model: str, *, tokenizer: str | None = None,
+                 devices: Sequence[jax.Device] | None = None, **engine_kwargs):
+        """`devices`: the group this engine runs on (a data-parallel replica's; default: the
+        first tensor_parallel_size devices)."""
         self.engine_config = EngineConfig(**engine_kwargs)
         self.model_config, model_module = load_model(model, self.engine_config)
+        check_tensor_parallel(self.model_config, self.engine_config.tensor_parallel_size)
+        self.mesh = engine_mesh(self.engine_config.tensor_parallel_size, devices)
+        if self.mesh is not None:  # sharded before the KV pool is sized from what is left free
+            shard_model(model_module, self.model_config, self.mesh)
         if tokenizer is not None:
             self.tokenizer = Tokenizer.from_source(tokenizer, None)
         elif self.engine_config.load_format == "dummy":
@@ -70,7 +79,7 @@ class LLMEngine:
         draft = None if draft_module is None else DraftModel.create(
             self.draft_config, draft_module, self.engine_config, self.num_pages)
         self.runner = ModelRunner(self.model_config, self.engine_config, model_module, self.num_pages,
-                                  draft=draft)
+                                  draft=draft, mesh=self.mesh)
         del model_module, draft_module
         ec, mc = self.engine_config, self.model_config
         logger.info("model %s: %s, %d layers, context %d; %.1f MiB of weights (%s, quantization "
@@ -129,14 +138,15 @@ class LLMEngine:
             return ec.num_pages
         pages_per_seq = -(-self.max_model_len // ec.page_size)
         wanted = ec.max_num_seqs * pages_per_seq + 1  # enough that memory, not pages, limits
-        free = device_memory_bytes_free()
+        free = (device_memory_bytes_free() if self.mesh is None
+                else smallest_free_bytes(self.mesh.devices.flat))  # each device's share must fit
         if free is None:
             return wanted
         fraction = ec.kv_memory_fraction
         if fraction is None:
             fraction = 0.15 if jax.default_backend() == "cpu" else 0.85
         budget = int(free * fraction)
-        by_memory = budget // self._bytes_per_page()
+        by_memory = budget // (self._bytes_per_page() // tp_size(self.mesh))  # per device
         # Rounded down to three significant bits (... 2048, 2560, 3072, 3584, 4096, 5120 ...):
         # free memory drifts from start to start (other processes), and another pool shape misses
         # the compilation caches, i.e. a whole cold warm-up; steps 12-25% apart absorb the drift.

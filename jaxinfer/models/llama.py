@@ -18,6 +18,7 @@ from flax import nnx
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import Embed, Linear, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from jaxinfer.models.tp_layout import split_gate_up, split_qkv
 from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache
 
 
@@ -27,6 +28,8 @@ class Attention(nnx.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.sliding_window = config.sliding_window
+        # (static) tensor-parallel shards of qkv_proj's column order (models/tp_layout.py)
+        self.tp_shards = 1
         qkv_features = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
         self.qkv_proj = Linear(config.hidden_size, qkv_features, use_bias=config.attention_bias,
                                dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -38,13 +41,11 @@ class Attention(nnx.Module):
         # x: [T, hidden]; cos, sin: f32[T, D // 2]; layer: i32[]
         num_tokens = x.shape[0]
         q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
         with jax.named_scope("qkv_proj"):
             qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
         with jax.named_scope("rope"):
-            q = qkv[:, :q_size].reshape(num_tokens, self.num_heads, self.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            v = qkv[:, q_size + kv_size:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                self.tp_shards)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
         with jax.named_scope("kv_write"):
@@ -64,6 +65,7 @@ class MLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
         self.intermediate_size = config.intermediate_size
+        self.tp_shards = 1  # (static) tensor-parallel shards of gate_up_proj's column order
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
                                    dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size,
@@ -72,7 +74,7 @@ class MLP(nnx.Module):
     def __call__(self, x):
         with jax.named_scope("gate_up_proj"):
             gate_up = self.gate_up_proj(x)  # [T, 2 I]
-        gate, up = gate_up[:, :self.intermediate_size], gate_up[:, self.intermediate_size:]
+        gate, up = split_gate_up(gate_up, self.intermediate_size, self.tp_shards)  # [T, I] each
         with jax.named_scope("down_proj"):
             return self.down_proj(jax.nn.silu(gate) * up)
 

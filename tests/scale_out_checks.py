@@ -1,0 +1,84 @@
+"""Multi-device checks of tensor and data parallelism, run in a subprocess with fake CPU devices.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.scale_out_checks DIR tp \
+        tp:quantization=int8 tp_bad_heads
+
+(tests/test_scale_out.py runs them: the flag must be set before jax is imported, and the test
+process itself has one device.) Each check raises AssertionError on a mismatch and prints `ok`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+_PROMPTS = ["The quick brown fox", "Hello, world! How are", "Paged attention keeps the KV",
+            "Once upon a time there was"]
+
+
+def _greedy(llm, prompts=_PROMPTS, max_tokens=12):
+    from jaxinfer.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _heads_per_device(array, axis: int) -> set[int]:
+    return {shard.data.shape[axis] for shard in array.addressable_shards}
+
+
+def check_tp(model_dir: str, **engine_kwargs) -> None:
+    """tp=2 gives tp=1's greedy tokens; weights and KV cache are split by head over 2 devices."""
+    import jax
+
+    from jaxinfer.llm import LLM
+
+    assert len(jax.devices()) >= 2, jax.devices()
+    base = dict(num_pages=64, max_num_seqs=4, max_model_len=128, **engine_kwargs)
+    want = _greedy(LLM(model_dir, **base))
+    llm = LLM(model_dir, tensor_parallel_size=2, **base)
+    got = _greedy(llm)
+    assert got == want, (got, want)
+    engine = llm.engine
+    mc = engine.model_config
+    assert engine.runner.attention_backend == "xla"
+    attn = engine.runner.state["layers"][0]["self_attn"]
+    qkv = attn["qkv_proj"]
+    leaf = qkv["weight"] if "weight" in qkv else qkv["values"]
+    per_device = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim // 2
+    assert leaf.sharding.spec[-1] == "tp", leaf.sharding
+    assert {s.data.shape[-1] for s in leaf.addressable_shards} == {per_device}
+    assert len({s.device for s in leaf.addressable_shards}) == 2
+    kv = engine.runner.kv_cache  # after the steps above: still split by KV head
+    assert _heads_per_device(kv.k, 3) == {mc.num_kv_heads // 2}, kv.k.sharding
+    assert _heads_per_device(kv.v, 3) == {mc.num_kv_heads // 2}, kv.v.sharding
+    print("ok tp", engine_kwargs, got[0])
+
+
+def check_tp_bad_heads(model_dir: str) -> None:
+    """A head count tp does not divide -> ValueError naming the counts."""
+    from jaxinfer.llm import LLM
+
+    try:
+        LLM(model_dir, tensor_parallel_size=4, num_pages=16, max_model_len=64)
+    except ValueError as e:
+        assert "num_kv_heads=2" in str(e) and "tensor_parallel_size=4" in str(e), e
+        print("ok bad heads:", e)
+        return
+    raise AssertionError("tensor_parallel_size=4 over 2 KV heads did not raise")
+
+
+def _value(text: str):
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+if __name__ == "__main__":
+    # python -m tests.scale_out_checks DIR CHECK[:key=value,...] ...
+    checks = {"tp": check_tp, "tp_bad_heads": check_tp_bad_heads}
+    model_dir, *specs = sys.argv[1:]
+    for spec in specs:
+        name, _, flags = spec.partition(":")
+        kwargs = {k: _value(v) for k, v in (f.split("=", 1) for f in flags.split(",") if f)}
+        checks[name](model_dir, **kwargs)
