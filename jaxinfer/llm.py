@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
-from jaxinfer.engine import LLMEngine
+from jaxinfer.engine.replicas import make_engine
 from jaxinfer.request import RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
@@ -20,11 +20,12 @@ Message = dict[str, str]
 class LLM:
     """`LLM(model="smollm2-135m")`; `model` is an HF directory, a .gguf path or a known name.
 
-    Keyword arguments are EngineConfig fields (page_size, num_pages, max_num_seqs, dtype, ...).
+    Keyword arguments are EngineConfig fields (page_size, num_pages, max_num_seqs, dtype, ...;
+    tensor_parallel_size and data_parallel_size: docs/scale_out.md).
     """
 
     def __init__(self, model: str, *, tokenizer: str | None = None, warmup: bool = False, **engine_kwargs):
-        self.engine = LLMEngine(model, tokenizer=tokenizer, **engine_kwargs)
+        self.engine = make_engine(model, tokenizer=tokenizer, **engine_kwargs)  # dp > 1: replicas
         self._ids = itertools.count()
         if warmup:
             self.engine.warmup()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 
 from jaxinfer.config_args import add_engine_args, engine_kwargs
-from jaxinfer.engine import LLMEngine
+from jaxinfer.engine import EngineClient
+from jaxinfer.engine.replicas import make_engine as make_engine_client
 from serve.batch import BatchOptions, run_batch
 from serve.cli import DEFAULT_MODEL, default_compilation_cache_dir, enable_compilation_cache
 
@@ -36,10 +37,10 @@ def run_batch_command(args: argparse.Namespace) -> int:
     """The job's exit status: 0 every line answered without error, 1 some errors; ValueError on
     bad usage (the caller exits 2)."""
 
-    def make_engine() -> LLMEngine:
+    def make_engine() -> EngineClient:
         if not args.no_compilation_cache:
             enable_compilation_cache(args.compilation_cache_dir)
-        return LLMEngine(args.model, **engine_kwargs(args))
+        return make_engine_client(args.model, **engine_kwargs(args))  # dp > 1: replicas
 
     options = BatchOptions(max_in_flight=args.max_in_flight, progress=not args.no_progress)
     return run_batch(args.input, args.output, make_engine, options)

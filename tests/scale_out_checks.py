@@ -67,6 +67,52 @@ def check_tp_bad_heads(model_dir: str) -> None:
     raise AssertionError("tensor_parallel_size=4 over 2 KV heads did not raise")
 
 
+def check_dp(model_dir: str, **engine_kwargs) -> None:
+    """2 replicas (one device each) give one engine's greedy tokens; requests land on both; a
+    prompt whose prefix one replica has cached goes there."""
+    import jax
+
+    from jaxinfer.engine.replicas import ReplicatedEngine
+    from jaxinfer.llm import LLM
+
+    base = dict(num_pages=64, max_num_seqs=4, max_model_len=128, page_size=4, **engine_kwargs)
+    want = _greedy(LLM(model_dir, **base))
+    llm = LLM(model_dir, data_parallel_size=2, **base)
+    engine = llm.engine
+    assert isinstance(engine, ReplicatedEngine)
+    got = _greedy(llm)
+    assert got == want, (got, want)
+    assert engine.num_routed == [2, 2], engine.num_routed
+    devices = [{d for leaf in jax.tree.leaves(r.runner.kv_cache) for d in leaf.devices()}
+               for r in engine.replicas]
+    assert devices[0].isdisjoint(devices[1]) and all(len(d) == 1 for d in devices), devices
+    # prefix-cache preference: with both idle, ties go to replica 0; a prompt whose pages
+    # replica 1 has cached goes to replica 1
+    assert not engine._owner, engine._owner  # finished requests are forgotten
+    filler, shared = "def main(): print('count 1, 2, 3')", "JAX is a library for array computing"
+    before = list(engine.num_routed)
+    llm.generate([filler, shared], use_tqdm=False)  # filler -> 0 (tie), shared -> 1 (less load)
+    assert [a - b for a, b in zip(engine.num_routed, before)] == [1, 1], engine.num_routed
+    llm.generate([shared + " and program transformation."], use_tqdm=False)
+    assert engine.num_routed[1] == before[1] + 2, (engine.num_routed, before)
+    print("ok dp", engine_kwargs, engine.num_routed)
+
+
+def check_tp_dp(model_dir: str, **engine_kwargs) -> None:
+    """tp=2 x dp=2 on 4 devices: replicas each on a 2-device mesh, one engine's tokens."""
+    from jaxinfer.llm import LLM
+
+    base = dict(num_pages=64, max_num_seqs=4, max_model_len=128, **engine_kwargs)
+    want = _greedy(LLM(model_dir, **base))
+    llm = LLM(model_dir, tensor_parallel_size=2, data_parallel_size=2, **base)
+    got = _greedy(llm)
+    assert got == want, (got, want)
+    meshes = [r.mesh for r in llm.engine.replicas]
+    assert [m.devices.size for m in meshes] == [2, 2]
+    assert not set(meshes[0].devices.flat) & set(meshes[1].devices.flat)
+    print("ok tp x dp", llm.engine.num_routed)
+
+
 def _value(text: str):
     try:
         return int(text)
@@ -76,7 +122,8 @@ def _value(text: str):
 
 if __name__ == "__main__":
     # python -m tests.scale_out_checks DIR CHECK[:key=value,...] ...
-    checks = {"tp": check_tp, "tp_bad_heads": check_tp_bad_heads}
+    checks = {"tp": check_tp, "tp_bad_heads": check_tp_bad_heads, "dp": check_dp,
+              "tp_dp": check_tp_dp}
     model_dir, *specs = sys.argv[1:]
     for spec in specs:
         name, _, flags = spec.partition(":")

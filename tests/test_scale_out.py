@@ -1,4 +1,4 @@
-"""Tensor parallelism on fake CPU devices: each check runs in a subprocess that sets
+"""Tensor and data parallelism on fake CPU devices: each check runs in a subprocess that sets
 XLA_FLAGS=--xla_force_host_platform_device_count before importing jax (this process has one
 device). The checks themselves are in tests/scale_out_checks.py."""
 
@@ -42,3 +42,23 @@ def test_tensor_parallel_qwen2(tmp_path):
     model_dir = save_tiny_model("qwen2", tmp_path / "qwen2")
     out = run_checks(2, model_dir, "tp", "tp:quantization=int4,kv_cache_dtype=int8")
     assert out.count("ok") == 2, out
+
+
+def test_data_parallel_matches_one_engine(tiny_llama_dir):
+    """2 replicas on 2 devices: one engine's greedy tokens, requests spread over both, a cached
+    prefix draws its follow-up to the replica holding it."""
+    out = run_checks(2, tiny_llama_dir, "dp")
+    assert "ok dp" in out, out
+
+
+def test_tensor_times_data_parallel(tiny_llama_dir):
+    """tp=2 x dp=2 on 4 devices: disjoint 2-device meshes, one engine's greedy tokens."""
+    out = run_checks(4, tiny_llama_dir, "tp_dp")
+    assert "ok tp x dp" in out, out
+
+
+def test_parallel_flags_come_from_engine_config():
+    from jaxinfer.config_args import engine_flags
+
+    options = {o for flag in engine_flags() for o in flag.option_strings}
+    assert {"--tensor-parallel-size", "--data-parallel-size"} <= options
