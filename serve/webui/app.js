@@ -144,6 +144,7 @@
 
   const conversation = []; // {role, content} of the turns so far
   let controller = null; // the running answer's AbortController
+  let epoch = 0; // counts "New chat"s: an answer that ends after one does not join the new chat
   let modelName = null;
 
   function addMessage(role, text) {
@@ -206,6 +207,7 @@
   }
 
   async function send(text) {
+    const myEpoch = epoch;
     conversation.push({role: "user", content: text});
     addMessage("user", text);
     const answer = addMessage("assistant", "");
@@ -256,8 +258,10 @@
     setBusy(false);
     answer.node.classList.remove("streaming");
     answer.node.classList.add(finish === "stopped" ? "stopped" : "done");
-    if (content) conversation.push({role: "assistant", content});
-    else if (error) conversation.pop(); // the turn failed: leave it out of the next request
+    if (myEpoch === epoch) {
+      if (content) conversation.push({role: "assistant", content});
+      else if (error) conversation.pop(); // the turn failed: leave it out of the next request
+    }
     answer.node.append(answerStats({t0, tFirst, tEnd, usage, deltas, finish, error}));
   }
 
@@ -337,7 +341,9 @@
     g.scale(ratio, ratio);
     g.clearRect(0, 0, width, height);
     const top = Math.max(1, ...rates.map((p) => p.rate)) * 1.15;
-    const x = (t) => width - ((now - t) / CHART_SECONDS) * width;
+    // the time drawn: since the first sample, at least a minute, at most CHART_SECONDS
+    const span = Math.min(CHART_SECONDS, Math.max(60, rates.length ? now - rates[0].t : 0));
+    const x = (t) => width - ((now - t) / span) * width;
     const y = (rate) => height - 16 - (rate / top) * (height - 24);
     g.strokeStyle = "#dde1e7";
     g.beginPath();
@@ -347,7 +353,7 @@
     g.fillStyle = "#6b7280";
     g.font = "11px system-ui, sans-serif";
     g.fillText(`${(top / 1.15).toFixed(1)} tok/s`, 4, 12);
-    g.fillText("-5 min", 4, height - 3);
+    g.fillText(span >= 120 ? `-${Math.round(span / 60)} min` : `-${Math.round(span)} s`, 4, height - 3);
     g.fillText("now", width - 24, height - 3);
     if (rates.length < 2) return;
     g.beginPath();
@@ -392,6 +398,7 @@
     $("stop").addEventListener("click", () => controller && controller.abort());
     $("clear").addEventListener("click", () => {
       if (controller) controller.abort();
+      epoch++;
       conversation.length = 0;
       $("messages").replaceChildren();
     });
