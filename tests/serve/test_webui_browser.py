@@ -48,6 +48,9 @@ def _browser() -> tuple[str, str]:
     return browser, driver
 
 
+BROWSER, CHROMEDRIVER = _browser()  # skips here, before any server starts
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
     port = free_port()
@@ -62,14 +65,13 @@ def server(tiny_llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def driver():
-    browser, chromedriver = _browser()
     options = webdriver.ChromeOptions()
-    options.binary_location = browser
+    options.binary_location = BROWSER
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                 "--window-size=1280,860", "--no-first-run", "--disable-extensions"):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    d = webdriver.Chrome(options=options, service=Service(executable_path=chromedriver))
+    d = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
     try:
         yield d
     finally:
