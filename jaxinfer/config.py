@@ -248,6 +248,11 @@ class EngineConfig:
     # tensor parallelism (docs/scale_out.md): devices the weights and KV heads are split over
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1  # engine replicas on disjoint device groups, each its own KV pool
+    # several processes (hosts) as one engine: host:port of process 0 (default: the
+    # JAXINFER_COORDINATOR_ADDRESS environment variable; docs/scale_out.md)
+    coordinator_address: str | None = None
+    num_processes: int | None = None  # processes in the job (default: JAXINFER_NUM_PROCESSES, 1)
+    process_id: int | None = None  # this process, 0 leads (default: JAXINFER_PROCESS_ID, 0)
 
     def __post_init__(self):
         _check_choices(self)

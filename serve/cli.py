@@ -36,7 +36,7 @@ import uvicorn
 
 from jaxinfer.config import EngineConfig
 from jaxinfer.config_args import add_engine_args, engine_kwargs
-from jaxinfer.engine.replicas import make_engine
+from jaxinfer.engine.replicas import make_engine, run_follower
 from jaxinfer.engine.async_engine import AsyncEngine
 from serve import DEFAULT_MAX_BODY_BYTES
 from serve.app import create_app
@@ -162,6 +162,8 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = engine_settings(args)
     t0 = time.perf_counter()
     engine = make_engine(args.model, tokenizer=args.tokenizer, **settings)  # dp > 1: replicas
+    if run_follower(engine):  # processes 1.. of a multi-process engine: no server of their own
+        return 0
     logger.info("engine built in %.1f s%s", time.perf_counter() - t0,
                 f" ({settings})" if settings else "")
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, warmup=not args.no_warmup,

@@ -113,6 +113,31 @@ def check_tp_dp(model_dir: str, **engine_kwargs) -> None:
     print("ok tp x dp", llm.engine.num_routed)
 
 
+def check_multi_process(model_dir: str) -> None:
+    """One engine over 2 processes of 1 CPU device each (JAXINFER_* environment variables set
+    by the caller): process 0 compares its tokens with its own 1-device engine's, process 1
+    follows its steps."""
+    import jax
+
+    from jaxinfer.engine.replicas import run_follower
+    from jaxinfer.llm import LLM
+
+    base = dict(max_num_seqs=4, max_model_len=128)
+    llm = LLM(model_dir, tensor_parallel_size=2, **base)  # joins the job; pool sized by both
+    assert jax.process_count() == 2 and len(jax.local_devices()) == 1
+    if run_follower(llm.engine):
+        print("ok follower")
+        return
+    got = _greedy(llm)
+    kv = llm.engine.runner.kv_cache.k
+    assert {s.data.shape[3] for s in kv.addressable_shards} == {1}, kv.sharding  # 1 of 2 heads
+    assert llm.engine.num_pages == 4 * (128 // 16) + 1, llm.engine.num_pages  # 4 full contexts
+    want = _greedy(LLM(model_dir, num_pages=64, **base))  # this process's device only
+    assert got == want, (got, want)
+    llm.engine.runner.stop_followers()
+    print("ok leader", got[0])
+
+
 def _value(text: str):
     try:
         return int(text)
@@ -123,7 +148,7 @@ def _value(text: str):
 if __name__ == "__main__":
     # python -m tests.scale_out_checks DIR CHECK[:key=value,...] ...
     checks = {"tp": check_tp, "tp_bad_heads": check_tp_bad_heads, "dp": check_dp,
-              "tp_dp": check_tp_dp}
+              "tp_dp": check_tp_dp, "multi_process": check_multi_process}
     model_dir, *specs = sys.argv[1:]
     for spec in specs:
         name, _, flags = spec.partition(":")

@@ -62,3 +62,31 @@ def test_parallel_flags_come_from_engine_config():
 
     options = {o for flag in engine_flags() for o in flag.option_strings}
     assert {"--tensor-parallel-size", "--data-parallel-size"} <= options
+
+
+def test_one_engine_over_two_processes(tiny_llama_dir):
+    """Two processes of one CPU device each (gloo collectives) as one tp=2 engine: process 0's
+    tokens equal a one-device engine's, process 1 follows its steps until it stops them."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for pid in range(2):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JAXINFER_NUM_PROCESSES="2",
+                   JAXINFER_PROCESS_ID=str(pid), JAXINFER_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("XLA_FLAGS", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "tests.scale_out_checks", tiny_llama_dir, "multi_process"],
+            cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        results = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, f"{out}\n{err[-6000:]}"
+    assert "ok leader" in results[0][0] and "ok follower" in results[1][0], results

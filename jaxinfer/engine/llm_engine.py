@@ -18,6 +18,7 @@ from jaxinfer.ops.kv_cache import kv_cache_bytes_per_page
 from jaxinfer.request import Request, RequestOutput
 from jaxinfer.runtime.draft_model import DraftModel, load_draft_model
 from jaxinfer.runtime.mesh import engine_mesh, smallest_free_bytes, tp_size
+from jaxinfer.runtime.multihost import MultiHostRunner, is_multi_process
 from jaxinfer.runtime.runner import ModelRunner, device_memory_bytes_free, kv_dtype_of, param_bytes
 from jaxinfer.runtime.sharding import check_tensor_parallel, shard_model
 from jaxinfer.runtime.spec_decode import DraftProposer
@@ -78,8 +79,9 @@ class LLMEngine:
         self.num_pages = self._num_pages(model_module)
         draft = None if draft_module is None else DraftModel.create(
             self.draft_config, draft_module, self.engine_config, self.num_pages)
-        self.runner = ModelRunner(self.model_config, self.engine_config, model_module, self.num_pages,
-                                  draft=draft, mesh=self.mesh)
+        runner_cls = MultiHostRunner if is_multi_process() and self.mesh is not None else ModelRunner
+        self.runner = runner_cls(self.model_config, self.engine_config, model_module, self.num_pages,
+                                 draft=draft, mesh=self.mesh)
         del model_module, draft_module
         ec, mc = self.engine_config, self.model_config
         logger.info("model %s: %s, %d layers, context %d; %.1f MiB of weights (%s, quantization "

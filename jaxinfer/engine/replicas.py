@@ -23,11 +23,14 @@ import dataclasses
 import logging
 from typing import Sequence
 
+import jax
+
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.client import EngineClient, StepFailed
 from jaxinfer.engine.llm_engine import EngineMetrics, LLMEngine
 from jaxinfer.request import RequestOutput
 from jaxinfer.runtime.mesh import device_group
+from jaxinfer.runtime.multihost import MultiHostRunner, follow, initialize_distributed
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.sched.router import pick_replica
 
@@ -35,10 +38,25 @@ logger = logging.getLogger(__name__)
 
 
 def make_engine(model: str, *, tokenizer: str | None = None, **engine_kwargs) -> EngineClient:
-    """An `LLMEngine`, or a `ReplicatedEngine` when data_parallel_size > 1."""
+    """An `LLMEngine`, or a `ReplicatedEngine` when data_parallel_size > 1. Joins a multi-process
+    job first when the settings (or the environment) name one (runtime/multihost.py)."""
+    if initialize_distributed(EngineConfig(**engine_kwargs)) and \
+            engine_kwargs.get("data_parallel_size", 1) > 1:
+        raise ValueError("data_parallel_size > 1 is not supported across processes")
     if engine_kwargs.get("data_parallel_size", 1) > 1:
         return ReplicatedEngine(model, tokenizer=tokenizer, **engine_kwargs)
     return LLMEngine(model, tokenizer=tokenizer, **engine_kwargs)
+
+
+def run_follower(engine: EngineClient) -> bool:
+    """In processes 1.. of a multi-process engine: runs the steps process 0 broadcasts until it
+    stops, then returns True. False (at once) in process 0 or a single-process engine."""
+    runner = getattr(engine, "runner", None)
+    if not isinstance(runner, MultiHostRunner) or jax.process_index() == 0:
+        return False
+    logger.info("following process 0's steps")
+    logger.info("process 0 stopped; %d steps followed", follow(runner))
+    return True
 
 
 class ReplicatedEngine:

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 TP_AXIS = "tp"
@@ -42,7 +43,21 @@ def smallest_free_bytes(devices: Sequence[jax.Device]) -> int | None:
     """The free memory of the group's emptiest device (what each device's share of the KV pool
     must fit in). Devices without memory stats (the CPU, fake devices included) share the host's
     available RAM: each visible device is given an equal part of it, so engines on disjoint
-    groups (data-parallel replicas) never count the same RAM twice. None when nothing is known."""
+    groups (data-parallel replicas) never count the same RAM twice. With several processes, the
+    smallest over all of them (each process measures its own devices). None when nothing is
+    known."""
+    local = _local_smallest_free_bytes([d for d in devices if d.process_index == jax.process_index()])
+    if jax.process_count() == 1:
+        return local
+    # several processes: every one must size the same pool, so all take the smallest (in MiB:
+    # int32 on the wire, as JAX keeps 64-bit values off by default)
+    mib = np.array(-1 if local is None else local // 2**20, np.int32)
+    known = [int(v) for v in np.asarray(multihost_utils.process_allgather(mib)).reshape(-1)
+             if v >= 0]
+    return min(known) * 2**20 if known else None
+
+
+def _local_smallest_free_bytes(devices: Sequence[jax.Device]) -> int | None:
     frees = []
     for dev in devices:
         try:
