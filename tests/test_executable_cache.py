@@ -14,6 +14,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.runtime import executable_cache
 from jaxinfer.runtime.executable_cache import ExecutableCache
 from jaxinfer.sched.step_input import warmup_step_inputs
+from jaxinfer.structured import bitmask_words
 
 SETTINGS = dict(num_pages=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=8,
                 max_model_len=64)
@@ -30,7 +31,8 @@ def _outputs(llm):
 
 def _num_buckets(llm) -> int:
     e = llm.engine
-    return len(list(warmup_step_inputs(e.engine_config, e.max_model_len, buckets=e.buckets)))
+    return len(list(warmup_step_inputs(e.engine_config, e.max_model_len, buckets=e.buckets,
+                                       bitmask_words=bitmask_words(e.vocab_size))))
 
 
 @pytest.fixture(scope="module")

@@ -139,8 +139,8 @@ def test_bitmask_enters_the_step_as_the_matcher_computes_it(tiny_llm):
 
 
 def test_no_compiles_after_warmup(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, warmup=True, num_pages=48, page_size=8, max_num_seqs=4,
-              max_num_batched_tokens=32, max_model_len=128)
+    llm = LLM(tiny_llama_dir, warmup=True, num_pages=24, page_size=8, max_num_seqs=4,
+              max_num_batched_tokens=16, max_model_len=64)
     n = llm.engine.metrics.num_compilations
     free = SamplingParams(temperature=0.7, seed=0, max_tokens=6)
     constrained = SamplingParams(temperature=0.0, max_tokens=30,
