@@ -132,7 +132,8 @@ def test_warmup_logs_its_progress(caplog):
                           max_model_len=256)
     runner = _StubRunner()
     engine = types.SimpleNamespace(engine_config=config, max_model_len=256, runner=runner,
-                                   buckets=StepBuckets.coarse(config, 256), spec_policy=None)
+                                   buckets=StepBuckets.coarse(config, 256), spec_policy=None,
+                                   vocab_size=384)
     caplog.set_level(logging.INFO, logger="jaxinfer.engine")
     LLMEngine.warmup(engine)
     total = len(runner.compiled)
