@@ -92,7 +92,10 @@ class ChatWriter(ChoiceWriter):
         if not new_text and not new_lps and c.finish_reason is None:
             return []
         stream = self.tool_streams[job.index]
-        deltas = stream.feed(new_text, c.finish_reason is not None) or [{}]
+        deltas = stream.feed(new_text, c.finish_reason is not None)
+        if not deltas and not new_lps and c.finish_reason is None:
+            return []  # text held back (it may open a tool call)
+        deltas = deltas or [{}]
         finish = st.finish_reason if c.finish_reason else None
         if finish == "stop" and stream.num_calls:
             finish = "tool_calls"
