@@ -123,7 +123,8 @@ def check_multi_process(model_dir: str) -> None:
     from jaxinfer.llm import LLM
 
     base = dict(max_num_seqs=4, max_model_len=128)
-    llm = LLM(model_dir, tensor_parallel_size=2, **base)  # joins the job; pool sized by both
+    # joins the job; pool sized by both; warm-up compiles every bucket on both, in step
+    llm = LLM(model_dir, tensor_parallel_size=2, warmup=True, **base)
     assert jax.process_count() == 2 and len(jax.local_devices()) == 1
     if run_follower(llm.engine):
         print("ok follower")

@@ -107,6 +107,17 @@ class MultiHostRunner(ModelRunner):
         _broadcast(_STEP, buf, layout, bool(step_input.num_top_logprobs > 0))
         return super().execute(step_input)
 
+    def compile(self, step_inputs, num_threads: int = 1) -> int:
+        """Every process must launch the same executables the same way, so ahead-of-time
+        executables (the leader's alone) are not used: each new bucket is compiled by running it
+        with the followers (warm-up inputs are all padding: only the null page is written)."""
+        new = 0
+        for si in step_inputs:
+            if (si.pack()[1], self.flags) not in self._seen_signatures:
+                self.execute(si)
+                new += 1
+        return new
+
     def stop_followers(self) -> None:
         """Ends the followers' loops (once; the leader only)."""
         if not self._stopped and jax.process_index() == 0:
