@@ -26,6 +26,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -89,6 +90,9 @@ class ExecutableCache:
     def __init__(self, directory: str | os.PathLike, fingerprint: str | None = None):
         self.root = Path(directory)
         self.dir = self.root / (fingerprint or environment_fingerprint())
+        # One (de)serialization at a time: warm-up prepares buckets on several threads, and two
+        # concurrent `deserialize_and_load` calls can crash the process (a segfault in jaxlib).
+        self._load_lock = threading.Lock()
 
     @classmethod
     def from_jax_config(cls) -> "ExecutableCache | None":
@@ -124,7 +128,8 @@ class ExecutableCache:
                 serialized, in_tree, out_tree = pickle.load(f)
             if in_tree != jax.tree.structure((args, {})):
                 raise ValueError("argument structure differs")
-            compiled = deserialize_and_load(serialized, in_tree, out_tree)
+            with self._load_lock:
+                compiled = deserialize_and_load(serialized, in_tree, out_tree)
             os.utime(self.dir)  # recently used: kept by the pruning in save()
             return compiled
         except Exception as e:  # noqa: BLE001 - damaged or incompatible: compile afresh
@@ -138,7 +143,8 @@ class ExecutableCache:
         try:
             from jax.experimental.serialize_executable import serialize
 
-            blob = pickle.dumps(serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL)
+            with self._load_lock:  # (de)serialization one at a time, as in load()
+                blob = pickle.dumps(serialize(compiled), protocol=pickle.HIGHEST_PROTOCOL)
             new_dir = not self.dir.is_dir()
             self.dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".", dir=self.dir)
