@@ -64,7 +64,7 @@ def test_warmup_compiles_then_a_second_engine_loads(tiny_llama_dir, cache_root, 
     assert _outputs(first) == reference
     assert first.engine.metrics.num_compilations == n  # flat after warm-up
     caplog.clear()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="jaxinfer.runtime.runner"):
         second = _cached_llm(tiny_llama_dir, cache_root, monkeypatch)
     assert caplog.text.count("loaded a step for") == n, caplog.text[-3000:]
     assert "compiled a step for" not in caplog.text, caplog.text[-3000:]
@@ -78,7 +78,7 @@ def test_damaged_entry_is_compiled_again(tiny_llama_dir, cache_root, reference, 
     _cached_llm(tiny_llama_dir, cache_root, monkeypatch)  # the cache is full
     victim = sorted(cache_root.glob("*/*.jaxexe"))[0]
     victim.write_bytes(b"not an executable")
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="jaxinfer.runtime.runner"):
         llm = _cached_llm(tiny_llama_dir, cache_root, monkeypatch)
     assert "unusable" in caplog.text and caplog.text.count("compiled a step for") == 1
     assert victim.stat().st_size > 100  # rewritten
@@ -104,7 +104,7 @@ def test_draft_model_steps_load_too(tiny_llama_dir, tmp_path, monkeypatch, caplo
     n = first.engine.metrics.num_compilations
     assert n == _num_buckets(first)
     caplog.clear()
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="jaxinfer.runtime.runner"):
         second = _cached_llm(tiny_llama_dir, tmp_path / "cache", monkeypatch, **spec)
     assert caplog.text.count("loaded a step for") == n, caplog.text[-3000:]
     assert "compiled a step for" not in caplog.text, caplog.text[-3000:]
