@@ -65,7 +65,10 @@ class ModelRunner:
                                                       head_major=head_major, mesh=mesh)
         self._seen_signatures: set[tuple] = set()
         self._executables: dict[tuple, jax.stages.Compiled] = {}  # compiled ahead (compile())
-        self._executable_cache = ExecutableCache.from_jax_config()
+        # A draft-model step (target + draft, three donated caches) is always compiled: loading
+        # its serialized executable crashed jaxlib (a segfault in deserialize_and_load) in a
+        # process that had run other engines before, so it never takes that path.
+        self._executable_cache = None if draft is not None else ExecutableCache.from_jax_config()
         self._cache_context = "" if self._executable_cache is None else repr(
             (graphdef, draft and draft.graphdef, model_config, engine_config))
         self.num_compilations = 0
