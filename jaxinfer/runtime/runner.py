@@ -65,9 +65,9 @@ class ModelRunner:
                                                       head_major=head_major, mesh=mesh)
         self._seen_signatures: set[tuple] = set()
         self._executables: dict[tuple, jax.stages.Compiled] = {}  # compiled ahead (compile())
-        # A draft-model step (target + draft, three donated caches) is always compiled: loading
-        # its serialized executable crashed jaxlib (a segfault in deserialize_and_load) in a
-        # process that had run other engines before, so it never takes that path.
+        # A draft-model step (target + draft, three donated caches) is always compiled, one at a
+        # time (compile()): preparing two at once, loaded or compiled, crashed jaxlib with a
+        # segfault in a process that had run other engines before.
         self._executable_cache = None if draft is not None else ExecutableCache.from_jax_config()
         self._cache_context = "" if self._executable_cache is None else repr(
             (graphdef, draft and draft.graphdef, model_config, engine_config))
@@ -150,6 +150,8 @@ class ModelRunner:
             signature = (si.pack()[1], self.flags)
             if signature not in self._seen_signatures and signature not in pending:
                 pending[signature] = si
+        if self.draft is not None:  # two draft-model steps compiled at once crashed XLA:CPU
+            num_threads = 1
         if num_threads > 1 and len(pending) > 1:
             with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
                 results = list(pool.map(self._prepare, pending.values()))
