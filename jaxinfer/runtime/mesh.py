@@ -68,11 +68,11 @@ def _local_smallest_free_bytes(devices: Sequence[jax.Device]) -> int | None:
             frees.append(int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)))
     if len(frees) == len(devices) and frees:
         return min(frees)
-    ram = _available_ram()
+    ram = available_ram()
     return None if ram is None else ram // max(len(jax.local_devices()), 1)
 
 
-def _available_ram() -> int | None:
+def available_ram() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -19,6 +19,7 @@ from cpu_kernels.ragged_paged_attention import MAX_PAGE_SIZE as MAX_CPU_PAGE_SIZ
 from jaxinfer.ops.kv_cache import allocate_kv_cache
 from jaxinfer.runtime.draft_model import DraftModel
 from jaxinfer.runtime.executable_cache import ExecutableCache
+from jaxinfer.runtime.mesh import available_ram
 from jaxinfer.runtime.sharding import allocate_sharded_kv_cache, attention_backend_for, shard_model
 from jaxinfer.runtime.step import StepFlags, make_jitted_draft_step, make_jitted_step
 from jaxinfer.sched.output import RunnerOutput
@@ -210,14 +211,7 @@ def device_memory_bytes_free() -> int | None:
         stats = None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return available_ram()
 
 
 def param_bytes(state: nnx.State) -> int:

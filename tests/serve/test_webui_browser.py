@@ -43,6 +43,8 @@ def _browser() -> tuple[str, str]:
         (p for p in ("/usr/lib/chromium/chromedriver", "/usr/bin/chromedriver") if os.path.exists(p)),
         None)
     if browser is None or driver is None:
+        if os.environ.get("JAXINFER_REQUIRE_BROWSER") == "1":  # CI installed it: must run
+            pytest.fail("JAXINFER_REQUIRE_BROWSER=1 but no Chromium and chromedriver were found")
         pytest.skip("no Chromium and chromedriver found: `apt-get install chromium chromium-driver` "
                     "to run the web page's browser test", allow_module_level=True)
     return browser, driver
