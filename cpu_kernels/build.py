@@ -46,7 +46,8 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's feature flags (/proc/cpuinfo), which -march=native compiles for."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -60,7 +61,7 @@ def _cpu_flags() -> str:
 def _binary_key(source: bytes, compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     h = hashlib.sha256()
-    for part in (source, version.encode(), jaxlib.__version__.encode(), _cpu_flags().encode(),
+    for part in (source, version.encode(), jaxlib.__version__.encode(), cpu_flags().encode(),
                  " ".join(CXX_FLAGS).encode()):
         h.update(part)
         h.update(b"\0")

@@ -14,15 +14,26 @@
 
 namespace jaxinfer {
 
-// Calls fn(i) for every i in [0, num_items), on the calling thread and on up to (pool threads
-// - 1) helper tasks scheduled on the pool, which take items from a shared counter. The caller
+// Below this much work (the caller's estimate, in multiply-adds) a call runs on the calling
+// thread alone: a sleeping pool thread can take 100-200 us to start on a shared virtual machine,
+// longer than a decode step's projections take on one thread (a single-row SmolLM2 step:
+// 16 -> 10 ms when its projections, about 2^20 multiply-adds each, stay on one thread).
+constexpr int64_t kMinParallelWork = int64_t{1} << 20;
+
+// Calls fn(i) for every i in [0, num_items). With `work` (the whole call's estimated cost)
+// below kMinParallelWork, on the calling thread; above, on it and on up to (pool threads - 1)
+// helper tasks scheduled on the pool, which take items from a shared counter. The caller
 // never waits for a helper that has not started: XLA may run two custom calls at once, each on
 // a pool thread, and if each waited for a task queued behind the other neither would finish. So
 // the caller drains the items itself and then waits only for helpers that claimed one; a helper
 // that starts later finds no item and leaves without touching `fn` (the state it reads is
 // shared, owned by every task).
 template <class Fn>
-void ParallelFor(xla::ffi::ThreadPool& pool, int64_t num_items, Fn&& fn) {
+void ParallelFor(xla::ffi::ThreadPool& pool, int64_t num_items, int64_t work, Fn&& fn) {
+  if (work < kMinParallelWork) {
+    for (int64_t i = 0; i < num_items; ++i) fn(i);
+    return;
+  }
   struct State {
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> active{0};  // helpers inside the drain loop

@@ -295,6 +295,259 @@ void Int4BlockAvx512(const Problem& p, int64_t m0, int64_t c0) {
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(p.y + (m0 + r) * p.n + c0 + 16 * j, out[r][j]);
 }
 
+
+// One row of x against int4 codes without widening shuffles: a 64-byte load holds 64 columns'
+// codes as 16 dwords of 4 bytes; (v >> 4 t') & 15 takes one nibble of every dword, so the 8
+// shifted copies of the load are 8 vectors of codes, the t-th byte of each dword (columns
+// 4 d + t, d = 0..15) from the low (row i) or high (row K/2 + i) nibble. The accumulators live
+// in that permuted column order; each group's scales and minimums are permuted to it once, and
+// the result is put back in column order at the end.
+inline __m512 permuted_param(const __m512 s[4], int t) {
+  // lanes d of the result: column 4 d + t of the 64 held in s[0..3] (16 columns each)
+  const __m512i lo_idx = _mm512_set_epi32(28 + t, 24 + t, 20 + t, 16 + t, 12 + t, 8 + t, 4 + t, t,
+                                          28 + t, 24 + t, 20 + t, 16 + t, 12 + t, 8 + t, 4 + t, t);
+  const __m512 a = _mm512_permutex2var_ps(s[0], lo_idx, s[1]);
+  const __m512 b = _mm512_permutex2var_ps(s[2], lo_idx, s[3]);
+  return _mm512_mask_blend_ps(0xFF00, a, b);
+}
+
+template <int C>  // C chunks of 64 columns side by side: C * 32 contiguous bytes of each row
+void Int4RowShifted(const Problem& p, int64_t m, int64_t c0) {
+  const uint8_t* q = static_cast<const uint8_t*>(p.values);
+  const int64_t gs = p.group_size, kh = p.k / 2, half_groups = kh / gs;
+  const bool asym = p.mins != nullptr;
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  const float* x = p.x + m * p.k;
+  __m512 out[C][4];  // out[c][t] lane d: column c0 + 64 c + 4 d + t
+  for (int c = 0; c < C; ++c)
+    for (int t = 0; t < 4; ++t) out[c][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < half_groups; ++g) {
+    __m512 acc_lo[C][4], acc_hi[C][4];
+    for (int c = 0; c < C; ++c)
+      for (int t = 0; t < 4; ++t) acc_lo[c][t] = acc_hi[c][t] = _mm512_setzero_ps();
+    float sum_lo = 0.0f, sum_hi = 0.0f;
+    for (int64_t i = g * gs; i < (g + 1) * gs; ++i) {
+      const uint8_t* row = q + i * p.n + c0;
+      if (i + kPrefetchRows < kh) {
+        for (int c = 0; c < C; ++c)
+          _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.n + 64 * c), _MM_HINT_T0);
+      }
+      const float xl = x[i], xh = x[kh + i];
+      sum_lo += xl;
+      sum_hi += xh;
+      const __m512 vl = _mm512_set1_ps(xl), vh = _mm512_set1_ps(xh);
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_loadu_si512(row + 64 * c);
+        for (int t = 0; t < 4; ++t) {
+          const __m512i l = _mm512_and_si512(_mm512_srli_epi32(v, 8 * t), low4);
+          const __m512i u = _mm512_and_si512(_mm512_srli_epi32(v, 8 * t + 4), low4);
+          acc_lo[c][t] = _mm512_fmadd_ps(vl, _mm512_cvtepi32_ps(l), acc_lo[c][t]);
+          acc_hi[c][t] = _mm512_fmadd_ps(vh, _mm512_cvtepi32_ps(u), acc_hi[c][t]);
+        }
+      }
+    }
+    const int64_t g_hi = g + half_groups;
+    const __m512 bl = _mm512_set1_ps(sum_lo), bh = _mm512_set1_ps(sum_hi);
+    for (int c = 0; c < C; ++c) {
+      __m512 s_lo[4], s_hi[4], o_lo[4], o_hi[4];
+      for (int j = 0; j < 4; ++j) {
+        const int64_t col = c0 + 64 * c + 16 * j;
+        s_lo[j] = load_param16(p.scales, g * p.n + col, p.f16_params);
+        s_hi[j] = load_param16(p.scales, g_hi * p.n + col, p.f16_params);
+        // asymmetric: w = q s + min; symmetric: w = (q - 8) s = q s - 8 s
+        o_lo[j] = asym ? load_param16(p.mins, g * p.n + col, p.f16_params)
+                       : _mm512_mul_ps(s_lo[j], _mm512_set1_ps(-8.0f));
+        o_hi[j] = asym ? load_param16(p.mins, g_hi * p.n + col, p.f16_params)
+                       : _mm512_mul_ps(s_hi[j], _mm512_set1_ps(-8.0f));
+      }
+      for (int t = 0; t < 4; ++t) {
+        __m512 o = _mm512_fmadd_ps(acc_lo[c][t], permuted_param(s_lo, t), out[c][t]);
+        o = _mm512_fmadd_ps(bl, permuted_param(o_lo, t), o);
+        o = _mm512_fmadd_ps(acc_hi[c][t], permuted_param(s_hi, t), o);
+        out[c][t] = _mm512_fmadd_ps(bh, permuted_param(o_hi, t), o);
+      }
+    }
+  }
+  // Back to column order: y[16 j + e] = out[e % 4][4 j + e / 4] within each chunk.
+  for (int j = 0; j < 4; ++j) {
+    alignas(64) int32_t ia[16], ib[16];
+    for (int e = 0; e < 16; ++e) {
+      ia[e] = (e % 4 == 1 ? 16 : 0) + 4 * j + e / 4;  // out[0] | out[1]
+      ib[e] = (e % 4 == 3 ? 16 : 0) + 4 * j + e / 4;  // out[2] | out[3]
+    }
+    const __m512i idx_a = _mm512_load_si512(ia), idx_b = _mm512_load_si512(ib);
+    for (int c = 0; c < C; ++c) {
+      const __m512 a = _mm512_permutex2var_ps(out[c][0], idx_a, out[c][1]);
+      const __m512 b = _mm512_permutex2var_ps(out[c][2], idx_b, out[c][3]);
+      _mm512_storeu_ps(p.y + m * p.n + c0 + 64 * c + 16 * j, _mm512_mask_blend_ps(0xCCCC, a, b));
+    }
+  }
+}
+
+// One row of x against int8 codes, C chunks of 64 columns per pass over the rows: each row's
+// C * 64 bytes are contiguous (a wide LM head's rows are N bytes apart, one page or more, so a
+// chunk at a time would touch a new page per code row).
+template <int C>
+void Int8RowWide(const Problem& p, int64_t m, int64_t c0) {
+  const int8_t* q = static_cast<const int8_t*>(p.values);
+  const int64_t gs = p.group_size, num_groups = (p.k + gs - 1) / gs;
+  const float* x = p.x + m * p.k;
+  __m512 out[C][4];
+  for (int c = 0; c < C; ++c)
+    for (int j = 0; j < 4; ++j) out[c][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < num_groups; ++g) {
+    __m512 acc[C][4];
+    for (int c = 0; c < C; ++c)
+      for (int j = 0; j < 4; ++j) acc[c][j] = _mm512_setzero_ps();
+    const int64_t k_end = std::min(p.k, (g + 1) * gs);
+    for (int64_t k = g * gs; k < k_end; ++k) {
+      const int8_t* row = q + k * p.n + c0;
+      if (k + kPrefetchRows < p.k) {
+        for (int c = 0; c < C; ++c)
+          _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.n + 64 * c), _MM_HINT_T0);
+      }
+      const __m512 xv = _mm512_set1_ps(x[k]);
+      for (int c = 0; c < C; ++c) {
+        const __m512i v = _mm512_loadu_si512(row + 64 * c);
+        for (int j = 0; j < 4; ++j)
+          acc[c][j] = _mm512_fmadd_ps(xv, i8_to_ps(_mm512_extracti32x4_epi32(v, j)), acc[c][j]);
+      }
+    }
+    for (int c = 0; c < C; ++c)
+      for (int j = 0; j < 4; ++j) {
+        const __m512 sc = load_param16(p.scales, g * p.n + c0 + 64 * c + 16 * j, p.f16_params);
+        out[c][j] = _mm512_fmadd_ps(acc[c][j], sc, out[c][j]);
+      }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(p.y + m * p.n + c0 + 64 * c + 16 * j, out[c][j]);
+}
+
+// Many rows: a panel of the weight (kPanelK values of K by 64 columns) is dequantized once into
+// a float buffer on the stack (scales and minimums applied: the exact weights a dense copy
+// holds), then every row of x is multiplied against it from L1 in register tiles of kTileRows
+// rows x 64 columns. The codes still cross memory once; the conversion is paid once per panel
+// instead of once per row pair, so the product is bound by its FMAs, not by widening codes.
+constexpr int64_t kPanelK = 64;  // packed rows of codes per panel (int4: 128 values of K)
+constexpr int64_t kPanelMinRows = 3;  // fewer rows: widen the codes in registers per row pair
+constexpr int kTileRows = 6;
+
+// w[(i - i0) * 64 + c] for packed rows i in [i0, i1): int8 rows of K, or the int4 low nibbles
+// (K rows i) in `lo` and high nibbles (K rows K/2 + i) in `hi`.
+void DequantPanel(const Problem& p, int64_t c0, int64_t i0, int64_t i1, float* lo, float* hi) {
+  const int64_t gs = p.group_size;
+  const bool asym = p.mins != nullptr;
+  __m512 s_lo[4], s_hi[4], o_lo[4], o_hi[4];
+  int64_t group = -1;
+  if (p.bits == 8) {
+    const int8_t* q = static_cast<const int8_t*>(p.values);
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i / gs != group) {
+        group = i / gs;
+        for (int j = 0; j < 4; ++j) s_lo[j] = load_param16(p.scales, group * p.n + c0 + 16 * j, p.f16_params);
+      }
+      if (i + kPrefetchRows < i1)
+        _mm_prefetch(reinterpret_cast<const char*>(q + (i + kPrefetchRows) * p.n + c0), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(q + i * p.n + c0);
+      float* out = lo + (i - i0) * kWideCols;
+      for (int j = 0; j < 4; ++j)
+        _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(i8_to_ps(_mm512_extracti32x4_epi32(v, j)), s_lo[j]));
+    }
+    return;
+  }
+  const uint8_t* q = static_cast<const uint8_t*>(p.values);
+  const int64_t half_groups = (p.k / 2) / gs;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t i = i0; i < i1; ++i) {
+    if (i / gs != group) {
+      group = i / gs;
+      for (int j = 0; j < 4; ++j) {
+        const int64_t col = c0 + 16 * j;
+        s_lo[j] = load_param16(p.scales, group * p.n + col, p.f16_params);
+        s_hi[j] = load_param16(p.scales, (group + half_groups) * p.n + col, p.f16_params);
+        // asymmetric: w = q s + min; symmetric: w = (q - 8) s = q s - 8 s (both exact in f32)
+        o_lo[j] = asym ? load_param16(p.mins, group * p.n + col, p.f16_params)
+                       : _mm512_mul_ps(s_lo[j], _mm512_set1_ps(-8.0f));
+        o_hi[j] = asym ? load_param16(p.mins, (group + half_groups) * p.n + col, p.f16_params)
+                       : _mm512_mul_ps(s_hi[j], _mm512_set1_ps(-8.0f));
+      }
+    }
+    const uint8_t* row = q + i * p.n + c0;
+    if (i + kPrefetchRows < i1)
+      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.n), _MM_HINT_T0);
+    float* out_lo = lo + (i - i0) * kWideCols;
+    float* out_hi = hi + (i - i0) * kWideCols;
+    for (int h = 0; h < 2; ++h) {  // columns 32 h .. 32 h + 31
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * h));
+      const __m256i l = _mm256_and_si256(v, low4);
+      const __m256i u = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      for (int t = 0; t < 2; ++t) {
+        const int j = 2 * h + t;
+        const __m128i lt = t ? _mm256_extracti128_si256(l, 1) : _mm256_castsi256_si128(l);
+        const __m128i ut = t ? _mm256_extracti128_si256(u, 1) : _mm256_castsi256_si128(u);
+        _mm512_storeu_ps(out_lo + 16 * j, _mm512_fmadd_ps(u8_to_ps(lt), s_lo[j], o_lo[j]));
+        _mm512_storeu_ps(out_hi + 16 * j, _mm512_fmadd_ps(u8_to_ps(ut), s_hi[j], o_hi[j]));
+      }
+    }
+  }
+}
+
+// y[m0 .. m0 + R, c0 .. c0 + 64] (+)= x[rows, K values of the panel] @ panel. `k_lo` / `k_hi`:
+// the K index of the panel's first lo / hi row (hi == nullptr for int8).
+template <int R>
+void PanelTile(const Problem& p, int64_t m0, int64_t c0, const float* lo, const float* hi,
+               int64_t k_lo, int64_t k_hi, int64_t rows, bool first) {
+  __m512 acc[R][4];
+  float* y = p.y + m0 * p.n + c0;
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j)
+      acc[r][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * p.n + 16 * j);
+  const float* x = p.x + m0 * p.k;
+  for (int64_t i = 0; i < rows; ++i) {
+    __m512 w[4];
+    for (int j = 0; j < 4; ++j) w[j] = _mm512_loadu_ps(lo + i * kWideCols + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * p.k + k_lo + i]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+    }
+    if (hi != nullptr) {
+      for (int j = 0; j < 4; ++j) w[j] = _mm512_loadu_ps(hi + i * kWideCols + 16 * j);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * p.k + k_hi + i]);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y + r * p.n + 16 * j, acc[r][j]);
+}
+
+// Columns [c0, c0 + 64) of y for every row, panel by panel.
+void PanelColumns(const Problem& p, int64_t c0) {
+  alignas(64) float lo[kPanelK * kWideCols];
+  alignas(64) float hi[kPanelK * kWideCols];
+  const bool int4 = p.bits == 4;
+  const int64_t packed_rows = int4 ? p.k / 2 : p.k;
+  for (int64_t i0 = 0; i0 < packed_rows; i0 += kPanelK) {
+    const int64_t i1 = std::min(packed_rows, i0 + kPanelK);
+    DequantPanel(p, c0, i0, i1, lo, hi);
+    const float* h = int4 ? hi : nullptr;
+    const int64_t k_hi = int4 ? p.k / 2 + i0 : 0;
+    const bool first = i0 == 0;
+    int64_t m0 = 0;
+    for (; m0 + kTileRows <= p.m; m0 += kTileRows)
+      PanelTile<kTileRows>(p, m0, c0, lo, h, i0, k_hi, i1 - i0, first);
+    switch (p.m - m0) {
+      case 5: PanelTile<5>(p, m0, c0, lo, h, i0, k_hi, i1 - i0, first); break;
+      case 4: PanelTile<4>(p, m0, c0, lo, h, i0, k_hi, i1 - i0, first); break;
+      case 3: PanelTile<3>(p, m0, c0, lo, h, i0, k_hi, i1 - i0, first); break;
+      case 2: PanelTile<2>(p, m0, c0, lo, h, i0, k_hi, i1 - i0, first); break;
+      case 1: PanelTile<1>(p, m0, c0, lo, h, i0, k_hi, i1 - i0, first); break;
+      default: break;
+    }
+  }
+}
+
 #endif
 
 template <int R>
@@ -310,6 +563,16 @@ void Block(const Problem& p, int64_t m0, int64_t c0) {
 void RunItem(const Problem& p, int64_t c0, int64_t c1) {
   int64_t c = c0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (p.m >= kPanelMinRows) {
+    for (; c + kWideCols <= c1; c += kWideCols) PanelColumns(p, c);
+  }
+  if (p.bits == 8 && p.m == 1) {
+    for (; c + 4 * kWideCols <= c1; c += 4 * kWideCols) Int8RowWide<4>(p, 0, c);
+  }
+  if (p.bits == 4 && p.m == 1) {
+    for (; c + 4 * kWideCols <= c1; c += 4 * kWideCols) Int4RowShifted<4>(p, 0, c);
+    for (; c + kWideCols <= c1; c += kWideCols) Int4RowShifted<1>(p, 0, c);
+  }
   for (; c + kWideCols <= c1; c += kWideCols) {
     int64_t m0 = 0;
     for (; m0 + 2 <= p.m; m0 += 2) {
@@ -350,7 +613,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (p.n % kCols != 0) {
     return ffi::Error::InvalidArgument("the number of output columns must be a multiple of 32");
   }
-  jaxinfer::ParallelFor(pool, (p.n + kItemCols - 1) / kItemCols, [&](int64_t i) {
+  jaxinfer::ParallelFor(pool, (p.n + kItemCols - 1) / kItemCols, p.m * p.k * p.n, [&](int64_t i) {
     RunItem(p, i * kItemCols, std::min(p.n, (i + 1) * kItemCols));
   });
   return ffi::Error::Success();
@@ -404,7 +667,7 @@ ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer values, ffi::AnyB
   p.n = values.dimensions()[1];
   p.group_size = group_size;
   float* out = w->typed_data();
-  jaxinfer::ParallelFor(pool, (p.n + kItemCols - 1) / kItemCols, [&](int64_t i) {
+  jaxinfer::ParallelFor(pool, (p.n + kItemCols - 1) / kItemCols, p.k * p.n, [&](int64_t i) {
     DequantizeColumns(p, out, i * kItemCols, std::min(p.n, (i + 1) * kItemCols));
   });
   return ffi::Error::Success();

@@ -23,6 +23,13 @@ def available() -> bool:
     return build.load("quant_matmul", "JaxinferQuantMatmul") is not None
 
 
+def dense_faster_above_rows() -> int | None:
+    """Rows of x above which a dense f32 matmul beats the kernel on this CPU; None when it never
+    does (the kernel's AVX-512 paths, which -march=native enables where the CPU has them)."""
+    flags = build.cpu_flags().split()
+    return None if "avx512f" in flags and "avx512bw" in flags else 16
+
+
 def _validate(x, values, scales, mins, bits, group_size) -> None:
     if bits not in (4, 8):
         raise ValueError(f"{bits=} must be 4 or 8")

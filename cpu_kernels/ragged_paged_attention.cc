@@ -398,8 +398,10 @@ ffi::Error RaggedPagedAttentionImpl(
 
   const int32_t real = std::min<int64_t>(num_seqs.typed_data()[0], num_seq_slots);
   std::vector<WorkItem> items;
+  int64_t work = 0;  // multiply-adds of the scores and the weighted values, an upper bound
   for (int32_t s = 0; s < real; ++s) {
     const int32_t q_len = p.cu_q_lens[s + 1] - p.cu_q_lens[s];
+    work += 2 * static_cast<int64_t>(q_len) * p.kv_lens[s] * num_q_heads * head_dim;
     for (int32_t t0 = 0; t0 < q_len; t0 += kRowBlock) {
       for (int32_t h = 0; h < num_kv_heads; ++h) {
         items.push_back(WorkItem{s, h, t0, std::min(kRowBlock, q_len - t0)});
@@ -414,7 +416,7 @@ ffi::Error RaggedPagedAttentionImpl(
   const int64_t row = num_q_heads * head_dim;
   std::fill(p.out + static_cast<int64_t>(real_tokens) * row, p.out + num_tokens * row, 0.0f);
   const PageBlockFn block = ChoosePageBlock(p.page_size, p.head_dim);
-  jaxinfer::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i) {
+  jaxinfer::ParallelFor(pool, static_cast<int64_t>(items.size()), work, [&](int64_t i) {
     thread_local std::vector<float> scratch;
     RunItem(p, items[i], block, scratch);
   });

@@ -71,7 +71,7 @@ class QuantConfig:
             return None
         return cls(method, group_size=ec.quant_group_size,
                    quantize_lm_head=ec.quantize_lm_head or method == "stored",
-                   matmul_backend=ec.attention_backend, keep_dense=ec.quantization == "auto")
+                   matmul_backend=ec.attention_backend, keep_dense=ec.quantization == "auto" and ops.cpu_keeps_dense_copy())
 
     @property
     def head_method(self) -> str:

@@ -36,14 +36,17 @@ from pallas_kernels.ragged_paged_attention import \
     ragged_paged_attention as ragged_paged_attention_pallas
 
 BACKENDS: tuple[str, ...] = typing.get_args(Backend)
-# A quantized matmul on the "cpu" backend reads the packed weight in the C++ kernel up to this
-# many rows of x (a memory-bound product of a decode step)...
+# A quantized matmul on the "cpu" backend reads the packed weight in the C++ kernel; without
+# AVX-512 only up to this many rows of x (a memory-bound product of a decode step), above which
+# the weight is dequantized for XLA's dense matmul, or its float copy used where the layer keeps
+# one (cpu_quant.dense_faster_above_rows: docs/performance.md).
 CPU_QUANT_KERNEL_MAX_ROWS = 64
-# ...but hands a product of more rows than this to XLA's dense matmul when the layer keeps the
-# float weight beside its codes (the kernel reads each weight row once for all the rows; with
-# its prefetching it beats the dense f32 matmul up to 16 rows, and loses from 32 on:
-# docs/performance.md).
-CPU_DENSE_ABOVE_ROWS = 16
+
+
+def cpu_keeps_dense_copy() -> bool:
+    """Whether a layer quantized for the "cpu" backend should keep its float weight beside the
+    codes: only where a dense matmul beats the C++ kernel for many rows (no AVX-512)."""
+    return cpu_quant.dense_faster_above_rows() is not None
 
 
 def resolve_backend(backend: str) -> str:
@@ -160,18 +163,19 @@ def quantized_matmul(x: jax.Array, qweight: QuantizedWeight, *, backend: str = "
     "pallas": the Pallas kernel; "cpu": the C++ kernel for a few rows, else the weight
     dequantized by the C++ kernel and XLA's matmul; "xla": dequantized inside the jit. A layout a
     kernel does not take (e.g. int4 g128 with K/2 not a multiple of 128) runs on the XLA path.
-    `dense` (the same weight in float, [K, N]): on "cpu", products of more than
-    CPU_DENSE_ABOVE_ROWS rows use it instead of the codes."""
+    `dense` (the same weight in float, [K, N]): on "cpu", products of more rows than
+    cpu_quant.dense_faster_above_rows() use it instead of the codes."""
     k, n = qweight.shape
     backend = resolve_backend(backend)
     rows = x.reshape(-1, k) if x.shape[-1] == k else None  # [M, K]
-    if dense is not None and backend == "cpu" and rows is not None and \
-            rows.shape[0] > CPU_DENSE_ABOVE_ROWS:
+    dense_above = cpu_quant.dense_faster_above_rows() if backend == "cpu" else None
+    if dense is not None and dense_above is not None and rows is not None and \
+            rows.shape[0] > dense_above:
         return jnp.dot(rows, dense.astype(rows.dtype)).reshape(*x.shape[:-1], n)
     if backend == "cpu" and qweight.values.ndim == 2 and rows is not None:
         q = qweight
         try:
-            if rows.shape[0] <= CPU_QUANT_KERNEL_MAX_ROWS:
+            if dense_above is None or rows.shape[0] <= CPU_QUANT_KERNEL_MAX_ROWS:
                 y = cpu_quant.quant_matmul(rows, q.values, q.scales, q.mins, bits=q.bits,
                                            group_size=q.group_size)
             else:
@@ -193,4 +197,4 @@ def quantized_matmul(x: jax.Array, qweight: QuantizedWeight, *, backend: str = "
 
 
 __all__ = ["BACKENDS", "AttentionMetadata", "KVCache", "quantized_matmul", "ragged_paged_attention",
-           "resolve_backend", "unrolled_layers_faster", "write_kv"]
+           "cpu_keeps_dense_copy", "resolve_backend", "unrolled_layers_faster", "write_kv"]

@@ -35,7 +35,9 @@ def _check(qw, m, dtype=jnp.float32):
     return err
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 9])
+# 1 row: codes widened by shifts; 2: per row pair; 3 and more: panels, in tiles of 6 rows
+# and a tail (70 = 11 x 6 + 4); N = 320: a 64-column block beside the 256-column work item.
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 70])
 @pytest.mark.parametrize("kind", ["int8 g32", "int8 channel", "int4 asym g32", "int4 sym g32",
                                   "int4 asym g64 f32 scales"])
 def test_matches_reference(kind, m):
