@@ -24,7 +24,7 @@ import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -48,7 +48,7 @@ from serve.schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from serve.state import ServerState, TokenTexts
+from serve.state import STATUS_CLIENT_GONE, ServerState, TokenTexts
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,8 @@ def create_app(async_engine: AsyncEngine, *, api_key: str | None = None,
     if webui:
         routes += page_routes()
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        HTTPException: _http_exception, Exception: _internal_error})
+        HTTPException: _http_exception, ClientDisconnect: _client_gone,
+        Exception: _internal_error})
     app.state.server = server
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key,
@@ -156,6 +157,11 @@ class APIKeyMiddleware:
 async def _http_exception(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     return APIError(exc.status_code, str(exc.detail), code=code).response()
+
+
+async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    """The client left while its request's body was read: nobody to answer, nothing failed."""
+    return Response(status_code=STATUS_CLIENT_GONE)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:

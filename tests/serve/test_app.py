@@ -444,6 +444,27 @@ def test_body_size_limit():
         assert c.post("/v1/completions", json={"prompt": "z" * 100, "max_tokens": 1}).status_code == 200
 
 
+
+@pytest.mark.anyio
+async def test_client_gone_while_the_body_is_read_is_499_not_an_error(caplog):
+    app = create_app(AsyncEngine(FakeEngine()), served_model_name=MODEL)
+    incoming = [{"type": "http.request", "body": b'{"prompt": "q', "more_body": True},
+                {"type": "http.disconnect"}]
+    sent = []
+
+    async def receive():
+        return incoming.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+             "query_string": b"", "http_version": "1.1", "scheme": "http", "root_path": "",
+             "server": ("t", 80), "client": ("c", 1)}
+    await app(scope, receive, send)
+    assert sent[0]["status"] == 499
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
 # -- load shedding ----------------------------------------------------------------------------------------
 class _GatedEngine(FakeEngine):
     """Its steps wait for `gate`, so requests stay waiting as long as the test wants."""
