@@ -428,3 +428,14 @@ def test_rejection_sampler_greedy_rows():
                                           is_greedy=greedy, target_argmax=target_argmax)
     np.testing.assert_array_equal(np.asarray(num_accepted), [1, 2, 0, 1, 0])
     np.testing.assert_array_equal(np.asarray(out)[1], [1, 5, 3])
+
+
+def test_greedy_argmax_matches_jnp_argmax_with_ties_and_masked_rows():
+    """The sampler's argmax (two plain reductions) equals jnp.argmax: ties go to the lowest id,
+    a row with every token masked to -inf gives 0."""
+    rng = np.random.default_rng(11)
+    logits = rng.integers(-3, 4, (6, 1000)).astype(np.float32)  # many ties at the maximum
+    logits[2] = -np.inf
+    logits[4, :500] = -np.inf
+    x = jnp.asarray(logits)
+    np.testing.assert_array_equal(np.asarray(sampler._argmax(x)), np.asarray(jnp.argmax(x, -1)))
