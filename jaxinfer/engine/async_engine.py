@@ -360,6 +360,8 @@ class AsyncEngine:
                 return num_done
             num_done += 1
             if kind == _ADD:
+                if not future.set_running_or_notify_cancel():
+                    continue  # its caller left before the add ran (its _ABORT finds nothing)
                 prompt, params, priority = payload
                 try:
                     self.engine.add_request(request_id, prompt, params, priority=priority)

@@ -183,3 +183,26 @@ async def test_any_engine_call_failing_keeps_the_loop_alive():
     assert outs[-1].finished
     assert (await ae.call(lambda e: e.metrics)).num_used_pages == 0
     await ae.shutdown(TIMEOUT)
+
+
+async def test_a_caller_leaving_before_its_add_runs_fails_nobody_else():
+    """A request cancelled while its add waits for the engine thread (busy in a step) is dropped
+    there; the requests in flight finish as if it never came (no engine error)."""
+    engine = FakeEngine(step_delay_s=0.05)
+    ae = AsyncEngine(engine)
+    await ae.wait_ready(TIMEOUT)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    running = asyncio.create_task(_collect(ae, [3, 4], params, "running"))
+    while ae.num_in_flight == 0:
+        await asyncio.sleep(0.001)
+    for i in range(5):
+        leaving = asyncio.create_task(_collect(ae, [7], params, f"leaving-{i}"))
+        await asyncio.sleep(0)  # its add is queued; the engine thread is inside a step
+        leaving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+    outs = await asyncio.wait_for(running, TIMEOUT)
+    assert outs[-1].outputs[0].text == _expected_greedy([3, 4], 8)
+    assert outs[-1].outputs[0].finish_reason == "length"
+    assert ae.num_consecutive_step_errors == 0 and ae.num_in_flight == 0
+    await ae.shutdown(TIMEOUT)
