@@ -188,16 +188,20 @@ class LLMEngine:
         method = self.engine_config.speculative_method
         if params.spec_decode and method is None:
             raise ValueError("spec_decode=True needs an engine with speculative_method set")
-        grammar = None  # a constrained request gets no drafts (its mask covers one token a step)
+        grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammars.request_grammar(params.structured_outputs)
+        # a constrained request speculates with n-gram drafts (cut to what its grammar accepts);
+        # a draft model's q is sampled on the device, unmasked: no drafts (runtime/spec_decode.py)
+        speculates = method is not None and params.spec_decode is not False and (
+            grammar is None or method == "ngram")
         req = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
-            spec_enabled=method is not None and params.spec_decode is not False and grammar is None,
+            spec_enabled=speculates,
             grammar=grammar,
         )
         self.scheduler.add_request(req)

@@ -12,6 +12,13 @@ How a step goes (engine/llm_engine.py, sched/scheduler.py, runtime/step.py):
    (runtime/spec_verify.py): greedy rows exactly, sampled rows by the rejection rule.
 3. `Scheduler.update` appends the emitted tokens and lowers `num_computed_tokens` past the
    rejected drafts; their K/V is simply overwritten later (pages past the end are freed).
+
+Structured output: a constrained request's n-gram drafts are cut to the prefix its grammar accepts
+(`RequestGrammar.num_valid_drafts`), and each verified position gets the allowed-token mask of the
+grammar after the drafts before it (sched/step_input.py), so greedy and sampled verification both
+see the constrained target distribution. A draft-model engine gives constrained requests no
+drafts: the draft model samples its k drafts inside the step, where the grammar's masks for its
+own drafts are not known, so its q could not be masked as p is.
 """
 
 from __future__ import annotations
@@ -84,7 +91,10 @@ class DraftProposer:
                 if req.is_finished() or req.num_tokens - req.num_computed_tokens != 1:
                     continue
                 k = scheduler.spec_policy.num_drafts(req, num_requests)
-                req.spec_token_ids = self.ngram.propose(req.all_token_ids, k) if k else []
+                drafts = self.ngram.propose(req.all_token_ids, k) if k else []
+                if drafts and req.grammar is not None:  # only what the grammar accepts
+                    drafts = drafts[:req.grammar.num_valid_drafts(drafts)]
+                req.spec_token_ids = drafts
             return
         draft_ids = runner_out.draft_token_ids  # i32[S, K]
         for s, item in enumerate(sched_out.scheduled):

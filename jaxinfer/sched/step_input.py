@@ -295,22 +295,28 @@ def _fill_optional(si: StepInput, sched_out: SchedulerOutput, rows: _Rows) -> No
         for r, b in enumerate(biases):
             si.bias_token_ids[r, :len(b)] = list(b.keys())
             si.bias_values[r, :len(b)] = list(b.values())
+    if any(it.request.grammar is not None for it in items):
+        _fill_bitmask(si, items, rows)
+
+
+def _fill_bitmask(si: StepInput, items, rows: _Rows) -> None:
+    """Each constrained item's rows get its grammar's masks; the rest -1. A verifying item's row
+    j gets the mask after its drafts before j (as if accepted: what the step verifies against);
+    otherwise one mask, shared by the prompt-logprob rows and the sampled row."""
     grammars = [it.request.grammar for it in items]
-    if any(g is not None for g in grammars):
-        _fill_bitmask(si, grammars, rows)
-
-
-def _fill_bitmask(si: StepInput, grammars: list, rows: _Rows) -> None:
-    """Each constrained item's rows get its grammar's mask (computed once per item: a constrained
-    request has no drafts, so its rows are prompt-logprob rows and its sampled row); the rest -1."""
     num_words = next(g.num_words for g in grammars if g is not None)
     si.allowed_token_bitmask = np.full((si.seeds.shape[0], num_words), -1, np.int32)
     for i, g in enumerate(grammars):
-        if g is not None:
-            first, n = rows.starts[i], rows.per_item[i]
-            g.fill_bitmask(si.allowed_token_bitmask[first + n - 1])
-            if n > 1:
-                si.allowed_token_bitmask[first:first + n - 1] = si.allowed_token_bitmask[first + n - 1]
+        if g is None:
+            continue
+        first, n = rows.starts[i], rows.per_item[i]
+        if items[i].spec_token_ids:
+            g.fill_draft_bitmasks(si.allowed_token_bitmask[first:first + n],
+                                  items[i].spec_token_ids)
+            continue
+        g.fill_bitmask(si.allowed_token_bitmask[first + n - 1])
+        if n > 1:
+            si.allowed_token_bitmask[first:first + n - 1] = si.allowed_token_bitmask[first + n - 1]
 
 
 def _fill_spec(si: StepInput, items, rows: _Rows, k: int) -> None:
