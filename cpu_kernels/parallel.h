@@ -14,11 +14,11 @@
 
 namespace jaxinfer {
 
-// Below this much work (the caller's estimate, in multiply-adds) a call runs on the calling
-// thread alone: a sleeping pool thread can take 100-200 us to start on a shared virtual machine,
-// longer than a decode step's projections take on one thread (a single-row SmolLM2 step:
-// 16 -> 10 ms when its projections, about 2^20 multiply-adds each, stay on one thread).
-constexpr int64_t kMinParallelWork = int64_t{1} << 20;
+// Below this much work (the caller's estimate, in multiply-adds: a few microseconds) a call
+// runs on the calling thread alone, since waking a pool thread costs more. Above it the items are
+// spread: on an idle machine even a single-row projection (~2^19 multiply-adds) gains from the
+// second core (a single-row SmolLM2 step: ~12 ms on one thread per call, ~10 ms spread).
+constexpr int64_t kMinParallelWork = int64_t{1} << 16;
 
 // Calls fn(i) for every i in [0, num_items). With `work` (the whole call's estimated cost)
 // below kMinParallelWork, on the calling thread; above, on it and on up to (pool threads - 1)
