@@ -45,7 +45,13 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_load import pct
-from startup import free_port, start_server, stop_server, wait_ready
+from startup import (
+    free_port,
+    parse_with_server_flags,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 
 TOPICS = ("the ocean", "a mountain village", "the history of bread", "a lighthouse keeper",
           "winter in a city", "how bees make honey", "an old clock", "the first train",
@@ -159,10 +165,7 @@ def main() -> int:
     p.add_argument("--policies", default="priority",
                    help="scheduling policies, one server each (e.g. priority,fcfs)")
     p.add_argument("--ready-timeout", type=float, default=3600.0)
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = p.parse_args(argv[:split])
-    extra = argv[split + 1:]
+    args, extra = parse_with_server_flags(p)
     results = {}
     with tempfile.TemporaryDirectory(prefix="jaxinfer-batch-interactive-") as tmp:
         for policy in args.policies.split(","):

@@ -30,7 +30,13 @@ from schemathesis import GenerationMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overload import tiny_model  # noqa: E402
-from startup import free_port, start_server, stop_server, wait_ready  # noqa: E402
+from startup import (  # noqa: E402
+    free_port,
+    parse_with_server_flags,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 
 
 def fuzz_route(base_url: str, operation, model: str, mode: GenerationMode, examples: int,
@@ -74,10 +80,7 @@ def main() -> int:
     p.add_argument("--examples", type=int, default=200, help="per route and generation mode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=3600.0)
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = p.parse_args(argv[:split])
-    extra = argv[split + 1:]
+    args, extra = parse_with_server_flags(p)
     with tempfile.TemporaryDirectory(prefix="jaxinfer-fuzz-") as tmp:
         proc, url = None, args.url
         if url is None:

@@ -25,7 +25,13 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from startup import free_port, start_server, stop_server, wait_ready  # noqa: E402
+from startup import (  # noqa: E402
+    free_port,
+    parse_with_server_flags,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time there was"
 
@@ -84,10 +90,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--ready-timeout", type=float, default=3600.0)
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = p.parse_args(argv[:split])
-    extra = argv[split + 1:]
+    args, extra = parse_with_server_flags(p)
     counts = ([int(c) for c in args.clients.split(",")] if args.clients else
               [args.max_num_seqs, 5 * args.max_num_seqs, 10 * args.max_num_seqs])
     with tempfile.TemporaryDirectory(prefix="jaxinfer-overload-") as tmp:

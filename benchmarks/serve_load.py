@@ -26,7 +26,13 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from startup import free_port, start_server, stop_server, wait_ready  # noqa: E402
+from startup import (  # noqa: E402
+    free_port,
+    parse_with_server_flags,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 
 WORDS = ("time year people way day man thing woman life child world school state family student "
          "group country problem hand part place case week company system program question work "
@@ -153,10 +159,7 @@ def main() -> int:
     p.add_argument("--prompt-words", type=int, default=32)
     p.add_argument("--api-key", default=os.environ.get("JAXINFER_API_KEY"))
     p.add_argument("--ready-timeout", type=float, default=3600.0)
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = p.parse_args(argv[:split])
-    extra = argv[split + 1:]  # after `--`: flags passed to `jaxinfer serve`
+    args, extra = parse_with_server_flags(p)
     proc = None
     url = args.url
     if url is None:

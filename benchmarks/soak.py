@@ -45,7 +45,13 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fuzz import kv_pages_used
 from overload import pct, tiny_model
-from startup import free_port, start_server, stop_server, wait_ready
+from startup import (
+    free_port,
+    parse_with_server_flags,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 
 KIND_WEIGHTS = (("stream", 0.55), ("disconnect", 0.15), ("abort", 0.15), ("bad", 0.15))
 PROMPTS = ("The quick brown fox jumps over the lazy dog.", "Once upon a time there was",
@@ -284,10 +290,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--settle-seconds", type=float, default=30.0)
     p.add_argument("--ready-timeout", type=float, default=3600.0)
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = p.parse_args(argv[:split])
-    extra = argv[split + 1:]
+    args, extra = parse_with_server_flags(p)
     with tempfile.TemporaryDirectory(prefix="jaxinfer-soak-") as tmp:
         model = tiny_model(tmp) if args.model == "tiny" else args.model
         if args.model == "tiny":

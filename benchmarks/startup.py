@@ -103,16 +103,21 @@ def dir_size_mb(path: str) -> float:
     return total / 2**20
 
 
+def parse_with_server_flags(parser: argparse.ArgumentParser,
+                            argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The script's own flags, and those after `--` (passed on to `jaxinfer serve`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    return parser.parse_args(argv[:split]), argv[split + 1:]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", default="smollm2-135m")
     p.add_argument("--runs", type=int, default=1, help="warm runs (the cold one is always one)")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--no-cache-run", action="store_true", help="also time a start with no cache")
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = p.parse_args(argv[:split])
-    extra = argv[split + 1:]  # after `--`: flags passed to `jaxinfer serve`
+    args, extra = parse_with_server_flags(p)
     cache_dir = tempfile.mkdtemp(prefix="jaxinfer-startup-")
     jax_cache = os.path.join(cache_dir, "jax")
     env = {"JAXINFER_CACHE_DIR": os.path.join(cache_dir, "jaxinfer")}  # weights, tokenizer
