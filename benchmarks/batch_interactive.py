@@ -1,11 +1,14 @@
 """Do interactive requests keep their latency while a batch runs on the same server?
 
     python benchmarks/batch_interactive.py [MODEL] [--interactive 16] [--batch-lines 128]
-                                           [--policies priority] [-- extra `jaxinfer serve` flags]
+                                           [--policies fcfs] [--shares 4:64,64:512]
+                                           [-- extra `jaxinfer serve` flags]
 
-MODEL defaults to the server's default (smollm2-135m). For each scheduling policy in --policies the
-script starts its own `jaxinfer serve MODEL --scheduling-policy P` (127.0.0.1, a free port,
-warm-up on, --data-dir in a temporary folder), waits for /health and sends two untimed requests.
+MODEL defaults to the server's default (smollm2-135m). For each scheduling policy in --policies and
+each background share S:T in --shares the script starts its own `jaxinfer serve MODEL
+--scheduling-policy P --background-max-num-seqs S --background-max-num-batched-tokens T`
+(127.0.0.1, a free port, warm-up on, --data-dir in a temporary folder), waits for /health and
+sends two untimed requests.
 
 Phase A (idle): K = --interactive streaming chat completions, one after another (fixed prompts,
 greedy, `max_tokens` 32, EOS ignored); time to first token and inter-token latency (the gaps
@@ -19,13 +22,15 @@ batch ends before all K are done: use a larger N). Then the batch is waited for;
 (in_progress_at -> completed_at, whole seconds as the API gives them) and output tok/s (the output
 file's completion tokens / duration).
 
-Batch lines carry `priority` = --batch-priority (100) only under `--scheduling-policy priority`,
-where interactive requests (priority 0) are scheduled first and may preempt them; under "fcfs"
-(the server's default) they queue with everyone else, at most --batch-max-in-flight (64) of them in
-the engine at once; `--policies priority,fcfs` runs both (a server start each: 1-3 minutes on a
-2-core CPU). Prints one markdown table: policy, phase, TTFT p50 / p99, ITL p50 / p99 (ms), and the
-ratios of phase B to phase A; then the batch's duration and tok/s per policy. "k/K during" says
-how many interactive requests phase B counted.
+Batch lines run in the background under either policy (`service_tier` "flex"): behind every
+interactive request in the queue, preempted first, and, while an interactive request is in the
+engine, in at most S sequences and T tokens of a step (the share); at most --batch-max-in-flight
+(64) of them are in the engine at once. The default shares compare the engine's default (4:64)
+with a share as large as the whole step (64:512: the batch then slows every step as much as it
+likes, which is how the server behaved before it had background requests). Each server start
+takes 1-3 minutes on a 2-core CPU. Prints one markdown table: setting, phase, TTFT p50 / p99,
+ITL p50 / p99 (ms), and the ratios of phase B to phase A; then the batch's duration and tok/s per
+setting. "k/K during" says how many interactive requests phase B counted.
 
 The client is Python on the same machine: on a small CPU box it competes with the server for cores.
 """
@@ -162,25 +167,32 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32, help="of each interactive request")
     p.add_argument("--batch-lines", type=int, default=128, help="N lines in the batch")
     p.add_argument("--batch-max-tokens", type=int, default=64)
-    p.add_argument("--policies", default="priority",
+    p.add_argument("--policies", default="fcfs",
                    help="scheduling policies, one server each (e.g. priority,fcfs)")
+    p.add_argument("--shares", default="4:64,64:512",
+                   help="background shares SEQS:TOKENS, one server each per policy")
     p.add_argument("--ready-timeout", type=float, default=3600.0)
     args, extra = parse_with_server_flags(p)
     results = {}
     with tempfile.TemporaryDirectory(prefix="jaxinfer-batch-interactive-") as tmp:
-        for policy in args.policies.split(","):
+        for policy, share in itertools.product(args.policies.split(","), args.shares.split(",")):
+            seqs, tokens = share.split(":")
+            name = f"{policy} {seqs}:{tokens}"
             port = free_port()
             url = f"http://127.0.0.1:{port}"
+            log_path = os.path.join(tmp, f"server-{policy}-{seqs}-{tokens}.log")
             proc = start_server(args.model, port,
                                 ["--scheduling-policy", policy, "--no-access-log",
-                                 "--data-dir", os.path.join(tmp, f"data-{policy}"), *extra],
-                                log_path=os.path.join(tmp, f"server-{policy}.log"))
+                                 "--background-max-num-seqs", seqs,
+                                 "--background-max-num-batched-tokens", tokens,
+                                 "--data-dir", os.path.join(tmp, f"data-{policy}-{seqs}-{tokens}"),
+                                 *extra], log_path=log_path)
             try:
                 ready = wait_ready(url, proc, args.ready_timeout)
-                print(f"{policy}: ready after {ready:.1f} s", flush=True)
-                results[policy] = asyncio.run(run_policy(url, args))
+                print(f"{name}: ready after {ready:.1f} s", flush=True)
+                results[name] = asyncio.run(run_policy(url, args))
             except Exception:
-                with open(os.path.join(tmp, f"server-{policy}.log")) as f:
+                with open(log_path) as f:
                     print(f.read()[-4000:], file=sys.stderr)
                 raise
             finally:
@@ -189,7 +201,7 @@ def main() -> int:
     print(f"\n{args.model}: K={args.interactive} sequential streaming chats (max_tokens "
           f"{args.max_tokens}), batch of N={args.batch_lines} lines (max_tokens "
           f"{args.batch_max_tokens}); times in ms\n")
-    print("| policy | phase | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | ratio B/A (TTFT p50 / p99, "
+    print("| policy share | phase | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | ratio B/A (TTFT p50 / p99, "
           "ITL p50 / p99) |")
     print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
     for policy, res in results.items():

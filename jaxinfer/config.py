@@ -225,6 +225,12 @@ class EngineConfig:
     scheduling: Literal["continuous", "static"] = "continuous"  # batching
     # fcfs, or priority (a lower `priority` runs first and may preempt)
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # sequences of a step that background requests (batch lines, service_tier "flex") may use
+    # while interactive requests are in the engine (with none, they may use them all)
+    background_max_num_seqs: int = 4
+    # tokens of a step that background requests may use while interactive requests are in the
+    # engine (their prompts then go in chunks this small)
+    background_max_num_batched_tokens: int = 64
     # weights: none: every weight in dtype; auto: as none, and on a CPU a GGUF file's Q8_0/Q4_0/
     # Q4_1 tensors also as stored, read by the steps of a few rows (faster decode, the same
     # weights); int8/int4: quantized (a GGUF tensor of that kind kept as stored)
@@ -266,6 +272,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be positive")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive")
+        if self.background_max_num_seqs <= 0 or self.background_max_num_batched_tokens <= 0:
+            raise ValueError(f"background_max_num_seqs={self.background_max_num_seqs} and "
+                             f"background_max_num_batched_tokens="
+                             f"{self.background_max_num_batched_tokens} must be positive")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 16]")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -111,6 +111,7 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     priority: int = 0  # lower runs first under the "priority" policy
+    background: bool = False  # yields to interactive requests (sched/scheduler.py)
     cache_salt: str | None = None  # mixed into every page hash: separates prefix-cache tenants
 
     # -- state, owned by the scheduler ------------------------------------------------------

@@ -13,8 +13,10 @@ that is not final when it starts: the lines already in the result file are skipp
 custom_id), a torn last line is cut and redone (serve/batch_output.py), so no answer is lost or
 doubled. Lines run under the served model (the line's `model` is ignored); when the engine runs
 the "priority" scheduling policy they carry `priority` = FilesConfig.batch_priority, after
-interactive requests (priority 0), whatever the line asked for. Under "fcfs" they queue with
-everyone else, at most FilesConfig.max_in_flight lines of a batch at once.
+interactive requests (priority 0), whatever the line asked for. Under either policy they run as
+`service_tier="flex"`: in the background, behind every interactive request and, while there are
+some, in at most a small share of each step (sched/scheduler.py), at most
+FilesConfig.max_in_flight lines of a batch at once.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ class BatchRuns:
         self.config = config
         self._model_name = model_name
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        self._overrides = ({"priority": config.batch_priority}
-                           if scheduling_policy == "priority" else {})
+        self._overrides = {"service_tier": "flex"}
+        if scheduling_policy == "priority":
+            self._overrides["priority"] = config.batch_priority
         self._tasks: dict[str, asyncio.Task] = {}
         self._app = None
         self._stopping = False

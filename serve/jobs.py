@@ -37,6 +37,7 @@ class Job:
     prompt: Prompt
     params: SamplingParams
     priority: int = 0
+    background: bool = False  # service_tier "flex": yields to interactive requests
 
 
 Finals = dict[int, tuple[Job, RequestOutput]]  # choice index -> its job and its last output
@@ -73,7 +74,7 @@ def plan_jobs(engine: AsyncEngine, request_id: str, prompts: list[Prompt], req: 
                             prompt_logprobs=prompt_logprobs, vocab_size=engine.vocab_size,
                             max_tokens_param=max_tokens_param, constraint=constraint)
     return [Job(p_idx * req.n + i, p_idx, f"{request_id}-{p_idx * req.n + i}", prompt, params,
-                req.priority)
+                req.priority, req.service_tier == "flex")
             for p_idx, prompt in enumerate(prompts) for i, params in enumerate(samples)]
 
 
@@ -155,7 +156,8 @@ async def _job_outputs(engine: AsyncEngine, metrics: ServerMetrics, job: Job,
     m = metrics
     first_time = None
     num_tokens = 0
-    gen = engine.generate(job.prompt.token_ids, job.params, job.request_id, priority=job.priority)
+    gen = engine.generate(job.prompt.token_ids, job.params, job.request_id, priority=job.priority,
+                          background=job.background)
     async with contextlib.aclosing(gen):
         async for out in gen:
             now = time.monotonic()

@@ -271,6 +271,8 @@ class SamplingFields(ModelRequest):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     priority: integer(ge=INT64_MIN, le=INT64_MAX) | None = 0  # lower runs first ("priority")
+    # OpenAI's: "flex" runs in the background, yielding to the other requests (batch lines do)
+    service_tier: Literal["auto", "default", "flex"] | None = None
     spec_decode: bool | None = None  # speculative decoding for this request (None: engine default)
     # output constraints (serve/structured.py checks them): OpenAI's, and vLLM's extension
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema"}

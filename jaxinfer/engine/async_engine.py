@@ -215,8 +215,10 @@ class AsyncEngine:
 
     # -- requests -------------------------------------------------------------------------------
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None,
-                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0,
+                       background: bool = False) -> AsyncIterator[RequestOutput]:
         """Yields cumulative RequestOutputs for one request; the last has `finished` set.
+        `background`: it yields to interactive requests (batch lines; sched/scheduler.py).
 
         Raises ValueError (bad prompt/params, from `engine.add_request`), EngineOverloaded,
         EngineShuttingDown or EngineError. Closing the iterator early aborts the request."""
@@ -236,7 +238,7 @@ class AsyncEngine:
         text = None  # TextTracker, made at the first output (it knows the prompt's token ids)
         try:
             added = concurrent.futures.Future()
-            self._send(_ADD, request_id, (prompt, params, priority), added)
+            self._send(_ADD, request_id, (prompt, params, priority, background), added)
             await asyncio.wrap_future(added)
             while True:
                 item = await stream.get()  # the newest: a lagging consumer skips the others
@@ -362,9 +364,10 @@ class AsyncEngine:
             if kind == _ADD:
                 if not future.set_running_or_notify_cancel():
                     continue  # its caller left before the add ran (its _ABORT finds nothing)
-                prompt, params, priority = payload
+                prompt, params, priority, background = payload
                 try:
-                    self.engine.add_request(request_id, prompt, params, priority=priority)
+                    self.engine.add_request(request_id, prompt, params, priority=priority,
+                                            background=background)
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     future.set_exception(e)
                 else:

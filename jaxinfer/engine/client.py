@@ -38,8 +38,9 @@ class EngineClient(Protocol):
         """A snapshot of counters and gauges (llm_engine.EngineMetrics)."""
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None, priority: int = 0) -> None:
-        """Queues a request; ValueError (naming the problem) for a request that cannot run."""
+                    params: SamplingParams | None = None, priority: int = 0,
+                    background: bool = False) -> None:
+        """Queues a request (`background`: it yields to interactive ones); ValueError (naming the problem) for a request that cannot run."""
 
     def abort_request(self, request_id: str) -> None:
         """Ends a request now and frees its pages; unknown ids are ignored."""

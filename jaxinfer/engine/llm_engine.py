@@ -163,7 +163,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        background: bool = False,
     ) -> None:
+        """Queues a request; ValueError naming the problem for one that cannot run. `priority`:
+        lower first under the "priority" policy; `background`: the request yields to the others
+        (a batch line; sched/scheduler.py)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
@@ -201,6 +205,7 @@ class LLMEngine:
             sampling_params=params,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             priority=priority,
+            background=background,
             spec_enabled=speculates,
             grammar=grammar,
         )

@@ -91,7 +91,7 @@ class ReplicatedEngine:
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, background: bool = False) -> None:
         if request_id in self._owner:
             raise ValueError(f"request_id={request_id!r} is already in use")
         token_ids = None
@@ -99,7 +99,7 @@ class ReplicatedEngine:
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         index = pick_replica([r.scheduler for r in self.replicas], token_ids)
         self.replicas[index].add_request(request_id, prompt, params, priority=priority,
-                                         arrival_time=arrival_time)
+                                         arrival_time=arrival_time, background=background)
         self._owner[request_id] = index
         self.num_routed[index] += 1
 

@@ -12,6 +12,13 @@ schedule() fills a token budget (max_num_batched_tokens) and a sequence budget (
 running decodes first, then running prefill chunks, then new admissions (FCFS or priority).
 A running request that cannot get a page preempts the most recently admitted one by recompute.
 
+Background requests (`Request.background`: batch lines, `service_tier="flex"`) yield to the
+others under either policy: they queue behind every interactive request, are preempted first (a
+waiting interactive request that finds no sequence slot or pages preempts them), and, while any
+interactive request is in the engine, share at most `background_max_num_seqs` sequences and
+`background_max_num_batched_tokens` tokens of a step, so a step stays about as short as the
+interactive requests alone would make it. With no interactive request they get the whole step.
+
 Speculative decoding: a decoding request with drafts (`Request.spec_token_ids`, set between steps
 by `DraftProposer`, runtime/spec_decode.py) schedules 1 + k new tokens, its last token plus the
 drafts, which the step verifies; `update` appends the accepted drafts plus the target's own next
@@ -43,11 +50,28 @@ POLICIES = ("fcfs", "priority")
 
 @dataclasses.dataclass
 class _Budget:
-    num_tokens: int
-    num_seqs: int
+    """Tokens and sequences left in a step; a share of an `outer` budget spends from both."""
+
+    tokens: int
+    seqs: int
+    outer: "_Budget | None" = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens if self.outer is None else min(self.tokens, self.outer.num_tokens)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seqs if self.outer is None else min(self.seqs, self.outer.num_seqs)
 
     def exhausted(self) -> bool:
         return self.num_tokens <= 0 or self.num_seqs <= 0
+
+    def spend(self, num_tokens: int) -> None:
+        self.tokens -= num_tokens
+        self.seqs -= 1
+        if self.outer is not None:
+            self.outer.spend(num_tokens)
 
 
 class Scheduler:
@@ -149,30 +173,51 @@ class Scheduler:
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        outranked = self._preempt_outranked() if self.policy == "priority" else []
-        self._schedule_running(budget, scheduled, preempted)
+        outranked = self._preempt_outranked()
+        budgets = (budget, self._background_budget(budget))
+        self._schedule_running(budgets, scheduled, preempted)
         if not preempted:  # admitting right after a preemption would only thrash
-            self._schedule_waiting(budget, scheduled)
+            self._schedule_waiting(budgets, scheduled)
         return self._make_output(scheduled, outranked + preempted)
 
-    @staticmethod
-    def _rank(req: Request) -> tuple:
-        """Priority order: smaller first (a lower priority value is more urgent, then FCFS)."""
-        return (req.priority, req.arrival_time)
+    def _background_budget(self, budget: _Budget) -> _Budget:
+        """The share of `budget` background requests may use: all of it, unless an interactive
+        request is in the engine (the queue keeps interactive ones at its head)."""
+        interactive = ((self.waiting and not self.waiting[0].background)
+                       or any(not r.background for r in self.running))
+        if not interactive:
+            return budget
+        return _Budget(self.config.background_max_num_batched_tokens,
+                       self.config.background_max_num_seqs, outer=budget)
+
+    def _rank(self, req: Request) -> tuple:
+        """Queue order, smaller first: interactive before background, then (priority policy) a
+        lower priority value first, then FCFS."""
+        if self.policy == "priority":
+            return (req.background, req.priority, req.arrival_time)
+        return (req.background,)
+
+    def _victim_key(self, req: Request) -> tuple:
+        """Preemption order, larger first: background, then (priority policy) the least urgent,
+        then the most recently admitted."""
+        if self.policy == "priority":
+            return (req.background, req.priority, req.arrival_time, req.admission_index)
+        return (req.background, req.admission_index)
 
     def _preempt_outranked(self) -> list[Request]:
-        """Priority policy: when the most urgent waiting request cannot be admitted (no sequence
-        slot, or too few pages for its first chunk), running requests it outranks are preempted
-        (by recompute, least urgent first) until it can; then it is admitted in this step."""
+        """When the head of the queue cannot be admitted (no sequence slot, or too few pages for
+        its first chunk), running requests it outranks (`_rank`: background ones for an
+        interactive head; under the priority policy also less urgent ones) are preempted, by
+        recompute, least urgent first, until it can; then it is admitted in this step."""
         preempted: list[Request] = []
         if not self.waiting:
             return preempted
         head = self.waiting[0]
         while self.running:
-            if len(self.running) < self.config.max_num_seqs and self._first_chunk_fits(head):
-                break
-            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time, r.admission_index))
+            victim = max(self.running, key=self._victim_key)
             if self._rank(victim) <= self._rank(head):
+                break
+            if len(self.running) < self.config.max_num_seqs and self._first_chunk_fits(head):
                 break
             self._preempt(victim)
             preempted.append(victim)
@@ -190,13 +235,17 @@ class Scheduler:
                      + self.pool.num_evictable_among(hit_page_ids))
         return num_pages <= self.pool.num_free_pages
 
-    def _schedule_running(self, budget, scheduled, preempted) -> None:
-        decodes_first = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
-        for req in decodes_first:
-            if budget.exhausted():
+    def _schedule_running(self, budgets, scheduled, preempted) -> None:
+        step_budget, background_budget = budgets
+        # interactive first, and within each kind decodes before prefill chunks
+        order = sorted(self.running,
+                       key=lambda r: (r.background, r.num_tokens - r.num_computed_tokens > 1))
+        for req in order:
+            if step_budget.exhausted():
                 break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted a moment ago by another one's growth
+            budget = background_budget if req.background else step_budget
+            if budget.exhausted() or req.status is not RequestStatus.RUNNING:
+                continue  # over the background share, or preempted by another one's growth
             num_new = min(req.num_tokens - req.num_computed_tokens, budget.num_tokens)
             spec_ids, lookahead = self._spec_plan(req, num_new, budget)
             if (spec_ids or lookahead) and not self._grow_pages(
@@ -251,24 +300,27 @@ class Scheduler:
     def _pick_victim(self, current: Request, scheduled: list[ScheduledRequest]) -> Request:
         taken = {id(s.request) for s in scheduled}
         candidates = [r for r in self.running if r is current or id(r) not in taken]
-        if self.policy == "priority":
-            return max(candidates, key=lambda r: (r.priority, r.arrival_time, r.admission_index))
-        return max(candidates, key=lambda r: r.admission_index)
+        return max(candidates, key=self._victim_key)
 
-    def _schedule_waiting(self, budget, scheduled) -> None:
+    def _schedule_waiting(self, budgets, scheduled) -> None:
+        step_budget, background_budget = budgets
         static = self.config.scheduling == "static"
         if static and not self.running:
             self._static_quota = self.config.max_num_seqs  # the previous batch is done: form one
-        while self.waiting and not budget.exhausted() and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and not step_budget.exhausted()
+               and len(self.running) < self.config.max_num_seqs):
             if static and self._static_quota <= 0:
                 return
+            budget = background_budget if self.waiting[0].background else step_budget
+            if budget.exhausted():
+                break  # the rest of the queue is background too
             item = self._try_admit(self.waiting[0], budget)
             if item is None:
                 break
             self.waiting.popleft()
             scheduled.append(item)
             self._static_quota -= static
-        if static and not budget.exhausted():  # stopped by pages, seqs or an empty queue
+        if static and not step_budget.exhausted():  # stopped by pages, seqs or an empty queue
             self._static_quota = 0  # the batch is formed: nobody joins until it has finished
 
     def _try_admit(self, req: Request, budget: _Budget) -> ScheduledRequest | None:
@@ -318,8 +370,7 @@ class Scheduler:
         req.num_lookahead_tokens = lookahead
         if spec_ids or req.spec_token_ids:
             req.spec_token_ids = list(spec_ids)  # what this step verifies; unscheduled ones drop
-        budget.num_tokens -= num_new
-        budget.num_seqs -= 1
+        budget.spend(num_new)
         return ScheduledRequest(req, start, num_new, samples=samples,
                                 spec_token_ids=req.spec_token_ids if spec_ids else [],
                                 num_lookahead=lookahead,
@@ -473,12 +524,13 @@ class Scheduler:
 
     # -- state changes ----------------------------------------------------------------------
     def _enqueue(self, req: Request, front: bool = False) -> None:
-        if self.policy == "priority":
-            bisect.insort(self.waiting, req, key=lambda r: (r.priority, r.arrival_time))
-        elif front:
-            self.waiting.appendleft(req)
+        """Into the queue in `_rank` order; under FCFS a preempted request (`front`) goes ahead
+        of the others of its kind."""
+        if self.policy == "priority" or not front:
+            bisect.insort_right(self.waiting, req, key=self._rank)
         else:
-            self.waiting.append(req)
+            self.waiting.insert(bisect.bisect_left(self.waiting, self._rank(req), key=self._rank),
+                                req)
 
     def _preempt(self, req: Request) -> None:
         """By recompute: pages freed (full ones stay cached), back to the front of the queue."""

@@ -90,6 +90,7 @@ class FakeEngine:
         self._running: list[_Req] = []
         self._used_pages = 0
         self._thread_id: int | None = None
+        self.added: dict[str, dict] = {}  # request id -> how it was queued (priority, background)
 
     # -- the contract ---------------------------------------------------------------------------
     @property
@@ -101,8 +102,9 @@ class FakeEngine:
         time.sleep(self.warmup_delay_s)
         self.warmed_up = True
 
-    def add_request(self, request_id, prompt, params=None, priority=0):
+    def add_request(self, request_id, prompt, params=None, priority=0, background=False):
         self._check_thread()
+        self.added[request_id] = {"priority": priority, "background": background}
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:

@@ -319,6 +319,27 @@ def test_chat_invalid_values_name_the_field(client, body, param):
     assert_error(client.post("/v1/chat/completions", json=body), 400, param=param)
 
 
+def test_service_tier_flex_queues_the_request_in_the_background():
+    engine = FakeEngine()
+    with app_client(engine) as c:
+        for tier, background in (("flex", True), ("default", False), ("auto", False),
+                                 (None, False)):
+            body = {"prompt": "x", "max_tokens": 1}
+            if tier is not None:
+                body["service_tier"] = tier
+            before = set(engine.added)
+            assert c.post("/v1/completions", json=body).status_code == 200
+            (new_id,) = set(engine.added) - before
+            assert engine.added[new_id] == {"priority": 0, "background": background}, tier
+        before = set(engine.added)
+        chat = {"messages": MESSAGES, "max_tokens": 1, "service_tier": "flex"}
+        assert c.post("/v1/chat/completions", json=chat).status_code == 200
+        (new_id,) = set(engine.added) - before
+        assert engine.added[new_id]["background"] is True
+        assert_error(c.post("/v1/completions", json={"prompt": "x", "service_tier": "scale"}),
+                     400, param="service_tier")
+
+
 def test_bad_json_and_unknown_fields(client):
     assert_error(client.post("/v1/completions", content=b"{nope"), 400)
     assert_error(client.post("/v1/completions", content=b"[1, 2]"), 400)

@@ -163,14 +163,15 @@ def test_restart_resumes_from_the_result_file(tmp_path):
     assert not (tmp_path / "batches" / "batch_x.jsonl").exists()
 
 
-def test_batch_lines_carry_the_batch_priority_only_under_the_priority_policy(tmp_path):
+def test_batch_lines_run_in_the_background_with_the_batch_priority_under_priority(tmp_path):
     import types
 
     from jaxinfer.engine.async_engine import AsyncEngine
     from serve.batch_runs import make_batch_runs
 
     cfg = FilesConfig(data_dir=str(tmp_path), batch_priority=7)
-    for policy, want in (("priority", {"priority": 7}), ("fcfs", {})):
+    for policy, want in (("priority", {"service_tier": "flex", "priority": 7}),
+                         ("fcfs", {"service_tier": "flex"})):
         engine = FakeEngine()
         engine.engine_config = types.SimpleNamespace(scheduling_policy=policy)
         runs = make_batch_runs(cfg, AsyncEngine(engine), model_name="m", api_key=None)
