@@ -24,12 +24,12 @@ def file_object(file_id: str, *, filename: str, size: int, purpose: str) -> dict
 
 
 def batch_object(batch_id: str, *, input_file_id: str, endpoint: str, completion_window: str,
-                 metadata: dict | None) -> dict:
+                 metadata: dict | None, expiry_s: int = 24 * 3600) -> dict:
     now = int(time.time())
     return {"id": batch_id, "object": "batch", "endpoint": endpoint, "errors": None,
             "input_file_id": input_file_id, "completion_window": completion_window,
             "status": "validating", "output_file_id": None, "error_file_id": None,
-            "created_at": now, "in_progress_at": None, "expires_at": now + 24 * 3600,
+            "created_at": now, "in_progress_at": None, "expires_at": now + expiry_s,
             "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
             "cancelling_at": None, "cancelled_at": None,
             "request_counts": {"total": 0, "completed": 0, "failed": 0},

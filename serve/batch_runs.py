@@ -6,7 +6,9 @@ A batch goes validating (its input file read; no usable line: failed) -> in_prog
 appended and flushed to its result file, batches/<id>.jsonl, as its request finishes; fsynced
 within a second) -> finalizing (the answers split into an output file, the successes, and an
 error file, the failures, both files of purpose "batch_output") -> completed. Cancelling stops
-the requests in flight and finalizes what is answered as "cancelled".
+the requests in flight and finalizes what is answered as "cancelled". A batch still running at its
+`expires_at` (FilesConfig.expiry_s after its creation) stops the same way, answers each line not
+yet answered with an error line (code "batch_expired"), and ends "expired".
 
 The status lives in SQLite (serve/store.py), so a server killed at any point resumes each batch
 that is not final when it starts: the lines already in the result file are skipped (by
@@ -142,11 +144,21 @@ class BatchRuns:
                     counts.update(out_row(out, error_row(line.custom_id, line.code,
                                                          line.message)))
             requests = [line for line in pending if isinstance(line, BatchLine)]
-            if requests:
-                await post_lines(self._app, requests, out, counts,
-                                 max_in_flight=self.config.max_in_flight,
-                                 model_name=self._model_name, overrides=self._overrides,
-                                 headers=self._headers)
+            try:
+                if requests:
+                    await asyncio.wait_for(
+                        post_lines(self._app, requests, out, counts,
+                                   max_in_flight=self.config.max_in_flight,
+                                   model_name=self._model_name, overrides=self._overrides,
+                                   headers=self._headers),
+                        timeout=max(obj["expires_at"] - time.time(), 0.0))
+            except TimeoutError:
+                obj["expired_at"] = int(time.time())
+                for line in requests:
+                    if line.custom_id not in out.answers:
+                        counts.update(out_row(out, error_row(
+                            line.custom_id, "batch_expired", "This request could not be "
+                            "executed before the completion window expired.")))
             counts.flush()
         obj.update(status="finalizing", finalizing_at=int(time.time()))
         self.store.put_batch(obj)
@@ -178,9 +190,12 @@ class BatchRuns:
                 obj[key] = self._add_file(f"file-{kind}-{suffix}", f"{obj['id']}_{kind}.jsonl",
                                           part)
         now = int(time.time())
-        cancelled = obj["status"] == "cancelling"
-        obj.update(status="cancelled" if cancelled else "completed",
-                   **({"cancelled_at": now} if cancelled else {"completed_at": now}))
+        if obj["status"] == "cancelling":
+            obj.update(status="cancelled", cancelled_at=now)
+        elif obj.get("expired_at"):
+            obj["status"] = "expired"
+        else:
+            obj.update(status="completed", completed_at=now)
         if not obj["request_counts"]["total"]:
             obj["request_counts"]["total"] = len(rows)
         obj["request_counts"].update(completed=len(done), failed=len(failed))

@@ -57,7 +57,8 @@ async def create_batch(runs: BatchRuns, request: Request) -> Response:
                             "at once; wait for one to finish or cancel one",
                        code="batch_limit_reached", type="rate_limit_error")
     obj = batch_object(new_batch_id(), input_file_id=source["id"], endpoint=body["endpoint"],
-                       completion_window=COMPLETION_WINDOW, metadata=metadata)
+                       completion_window=COMPLETION_WINDOW, metadata=metadata,
+                       expiry_s=runs.config.expiry_s)
     runs.submit(obj)
     return JSONResponse(obj)
 

@@ -23,6 +23,9 @@ def add_files_args(parser: argparse.ArgumentParser) -> None:
                    help="the `priority` of batch lines under --scheduling-policy priority "
                         "(lower runs first; interactive requests default to 0) "
                         "(default: %(default)s)")
+    g.add_argument("--batch-expiry-s", type=int, default=FilesConfig.expiry_s,
+                   help="seconds a batch has from its creation; then its unanswered lines fail "
+                        "with code batch_expired and it ends expired (default: %(default)s)")
     g.add_argument("--no-files-api", action="store_true", help="no /v1/files and /v1/batches")
 
 
@@ -32,4 +35,4 @@ def files_config(args: argparse.Namespace) -> FilesConfig | None:
     return FilesConfig(data_dir=args.data_dir, max_stored_bytes=args.max_stored_bytes,
                        max_active_batches=args.max_active_batches,
                        max_in_flight=args.batch_max_in_flight,
-                       batch_priority=args.batch_priority)
+                       batch_priority=args.batch_priority, expiry_s=args.batch_expiry_s)

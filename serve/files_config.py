@@ -29,8 +29,11 @@ class FilesConfig:
     max_active_batches: int = 4  # batches not finished yet; one more gets 429
     max_in_flight: int = 64  # lines of one batch posted at once (the engine's queue stays short)
     batch_priority: int = BATCH_PRIORITY  # used only under scheduling_policy="priority"
+    # a batch not done this long after its creation expires: its unanswered lines get error
+    # lines (code "batch_expired") and it ends "expired" (the API's completion_window is "24h")
+    expiry_s: int = 24 * 3600
 
     def __post_init__(self):
-        for name in ("max_stored_bytes", "max_active_batches", "max_in_flight"):
+        for name in ("max_stored_bytes", "max_active_batches", "max_in_flight", "expiry_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")

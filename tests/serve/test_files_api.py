@@ -34,7 +34,7 @@ def wait_final(client, batch_id: str, timeout: float = TIMEOUT) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         obj = client.get(f"/v1/batches/{batch_id}").json()
-        if obj["status"] in ("completed", "failed", "cancelled"):
+        if obj["status"] in ("completed", "failed", "cancelled", "expired"):
             return obj
         assert time.monotonic() < deadline, obj
         time.sleep(0.02)
@@ -118,6 +118,31 @@ def test_batch_validation_and_limits(tmp_path):
         assert b["request_counts"]["total"] == 3
 
 
+def test_a_batch_past_its_expiry_ends_expired_with_its_unanswered_lines_failed(tmp_path):
+    cfg = FilesConfig(data_dir=str(tmp_path), expiry_s=1, max_in_flight=2)
+    engine = FakeEngine(step_delay_s=0.02)
+    with app_client(engine, files=cfg) as client:
+        short, long = batch_lines(6, max_tokens=3), batch_lines(6, max_tokens=200)
+        lines = short.splitlines(keepends=True)[:2] + long.splitlines(keepends=True)[2:]
+        f = upload(client, b"".join(lines)).json()  # r0, r1 finish at once; r2..r5 cannot
+        b = client.post("/v1/batches", json={"input_file_id": f["id"],
+                                             "endpoint": "/v1/chat/completions",
+                                             "completion_window": "24h"}).json()
+        assert b["expires_at"] == b["created_at"] + 1
+        b = wait_final(client, b["id"])
+        assert b["status"] == "expired" and b["expired_at"] >= b["expires_at"]
+        assert b["completed_at"] is None
+        done = {r["custom_id"] for r in rows(client, b["output_file_id"])}
+        failed = {r["custom_id"]: r["error"]["code"] for r in rows(client, b["error_file_id"])}
+        assert done == {"r0", "r1"}  # 2 in flight at once: r2, r3 were running, r4, r5 waiting
+        assert failed == {f"r{i}": "batch_expired" for i in range(2, 6)}
+        assert b["request_counts"] == {"total": 6, "completed": 2, "failed": 4}
+        deadline = time.monotonic() + TIMEOUT  # r2's and r3's requests were aborted
+        while len(engine.aborted_ids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(engine.aborted_ids) == 2
+
+
 def test_api_key_covers_files_and_batches(tmp_path):
     with app_client(files=FilesConfig(data_dir=str(tmp_path)), api_key="k") as client:
         f = upload(client, batch_lines(2)).json()
@@ -142,7 +167,8 @@ def test_restart_resumes_from_the_result_file(tmp_path):
     obj = {"id": "batch_x", "object": "batch", "endpoint": "/v1/chat/completions",
            "errors": None, "input_file_id": f["id"], "completion_window": "24h",
            "status": "in_progress", "output_file_id": None, "error_file_id": None,
-           "created_at": 1, "in_progress_at": 1, "expires_at": 2, "finalizing_at": None,
+           "created_at": 1, "in_progress_at": 1, "expires_at": int(time.time()) + 3600,
+           "finalizing_at": None,
            "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
            "cancelled_at": None, "request_counts": {"total": 5, "completed": 0, "failed": 0},
            "metadata": None}
