@@ -231,6 +231,8 @@ class EngineConfig:
     # tokens of a step that background requests may use while interactive requests are in the
     # engine (their prompts then go in chunks this small)
     background_max_num_batched_tokens: int = 64
+    # seconds the background share stays capped after the last interactive request left
+    background_linger_s: float = 1.0
     # weights: none: every weight in dtype; auto: as none, and on a CPU a GGUF file's Q8_0/Q4_0/
     # Q4_1 tensors also as stored, read by the steps of a few rows (faster decode, the same
     # weights); int8/int4: quantized (a GGUF tensor of that kind kept as stored)
@@ -276,6 +278,8 @@ class EngineConfig:
             raise ValueError(f"background_max_num_seqs={self.background_max_num_seqs} and "
                              f"background_max_num_batched_tokens="
                              f"{self.background_max_num_batched_tokens} must be positive")
+        if self.background_linger_s < 0:
+            raise ValueError(f"background_linger_s={self.background_linger_s} must be >= 0")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 16]")
         if not 1 <= self.ngram_min <= self.ngram_max:

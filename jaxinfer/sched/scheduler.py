@@ -15,9 +15,11 @@ A running request that cannot get a page preempts the most recently admitted one
 Background requests (`Request.background`: batch lines, `service_tier="flex"`) yield to the
 others under either policy: they queue behind every interactive request, are preempted first (a
 waiting interactive request that finds no sequence slot or pages preempts them), and, while any
-interactive request is in the engine, share at most `background_max_num_seqs` sequences and
-`background_max_num_batched_tokens` tokens of a step, so a step stays about as short as the
-interactive requests alone would make it. With no interactive request they get the whole step.
+interactive request is in the engine (or was, less than `background_linger_s` ago: a chat's
+next request or an agent's next call usually follows within that time), share at most
+`background_max_num_seqs` sequences and `background_max_num_batched_tokens` tokens of a step, so
+a step stays about as short as the interactive requests alone would make it and one arriving
+does not wait behind a full-width step. Otherwise they get the whole step.
 
 Speculative decoding: a decoding request with drafts (`Request.spec_token_ids`, set between steps
 by `DraftProposer`, runtime/spec_decode.py) schedules 1 + k new tokens, its last token plus the
@@ -112,6 +114,7 @@ class Scheduler:
         self._num_admissions = 0
         self._static_quota = 0  # static mode: admissions left in the batch being formed
         self._last = (0, 0)  # (seqs, tokens) of the last schedule()
+        self._last_interactive = -float("inf")  # clock() when an interactive request was last in
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_finished = 0
@@ -182,10 +185,13 @@ class Scheduler:
 
     def _background_budget(self, budget: _Budget) -> _Budget:
         """The share of `budget` background requests may use: all of it, unless an interactive
-        request is in the engine (the queue keeps interactive ones at its head)."""
-        interactive = ((self.waiting and not self.waiting[0].background)
-                       or any(not r.background for r in self.running))
-        if not interactive:
+        request is in the engine or was less than background_linger_s ago (the queue keeps
+        interactive ones at its head)."""
+        now = self.clock()
+        if ((self.waiting and not self.waiting[0].background)
+                or any(not r.background for r in self.running)):
+            self._last_interactive = now
+        elif now - self._last_interactive >= self.config.background_linger_s:
             return budget
         return _Budget(self.config.background_max_num_batched_tokens,
                        self.config.background_max_num_seqs, outer=budget)

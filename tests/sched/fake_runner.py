@@ -73,10 +73,11 @@ class Harness:
     """Scheduler + FakeRunner + make_step_input, checking invariants around every step."""
 
     def __init__(self, num_pages=16, max_model_len=32, eos=(EOS,), vocab_size=64, policy="fcfs",
-                 coarse_buckets=False, **cfg):
+                 coarse_buckets=False, clock=None, **cfg):
         self.config = make_config(**cfg)
         self.max_model_len = max_model_len
-        self.sched = Scheduler(self.config, num_pages, max_model_len, eos, policy=policy)
+        kw = {} if clock is None else {"clock": clock}
+        self.sched = Scheduler(self.config, num_pages, max_model_len, eos, policy=policy, **kw)
         self.runner = FakeRunner(num_pages, self.config.page_size, vocab_size)
         make_buckets = StepBuckets.coarse if coarse_buckets else StepBuckets.from_config
         self.buckets = make_buckets(self.config, max_model_len)

@@ -68,9 +68,19 @@ def test_an_interactive_request_preempts_background_ones_for_a_slot_not_interact
     assert out.preempted_request_ids == [] and sorted(ids(out)) == ["i0", "i1"]
 
 
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
 def test_background_requests_get_a_capped_share_while_interactive_ones_run():
+    clock = FakeClock()
     h = Harness(num_pages=64, max_model_len=32, max_num_seqs=8, max_num_batched_tokens=64,
-                background_max_num_seqs=2, background_max_num_batched_tokens=5)
+                background_max_num_seqs=2, background_max_num_batched_tokens=5,
+                background_linger_s=0.5, clock=clock)
     bgs = [h.add(background(f"b{i}", prompt(2, 10 + 4 * i), max_tokens=20, ignore_eos=True))
            for i in range(5)]
     out, _ = h.step()  # alone, they get the whole step
@@ -82,7 +92,11 @@ def test_background_requests_get_a_capped_share_while_interactive_ones_run():
     while not i0.is_finished():
         out, _ = h.step()
         assert ids(out) == ["i0", "b0", "b1"]  # interactive first among running ones
-    out, _ = h.step()  # the interactive request is done: every background one runs again
+    clock.now += 0.4
+    out, _ = h.step()  # the interactive request is done, but left less than the linger ago
+    assert ids(out) == ["b0", "b1"]
+    clock.now += 0.1
+    out, _ = h.step()  # the linger is over: every background one runs again
     assert sorted(ids(out)) == [f"b{i}" for i in range(5)]
     assert all(b.status is RequestStatus.RUNNING for b in bgs)
 
@@ -103,7 +117,8 @@ def test_outputs_do_not_depend_on_the_background_share():
     specs = [(f"r{i}", prompt(3 + i % 5, 10 + 7 * i), dict(max_tokens=3 + i % 4, seed=i))
              for i in range(10)]
     h = Harness(num_pages=14, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=8,
-                background_max_num_seqs=1, background_max_num_batched_tokens=3)
+                background_max_num_seqs=1, background_max_num_batched_tokens=3,
+                background_linger_s=0.0)
     reqs = []
     for i, (rid, p, sp) in enumerate(specs):
         reqs.append(h.add(background(rid, p, **sp) if i % 2 else make_request(rid, p, **sp)))
@@ -134,3 +149,5 @@ def test_background_share_must_be_positive():
     from jaxinfer.config import EngineConfig
     with pytest.raises(ValueError, match="background_max_num_seqs=0"):
         EngineConfig(background_max_num_seqs=0)
+    with pytest.raises(ValueError, match="background_linger_s=-1"):
+        EngineConfig(background_linger_s=-1)
