@@ -95,8 +95,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer.hf_tokenizer, self.model_config.vocab_size,
                                         eos_ids)
+        not_pallas = self.runner.attention_backend != "pallas"
         self.buckets = StepBuckets.coarse(self.engine_config, self.max_model_len,
-                                          exact_verify=self.runner.attention_backend != "pallas")
+                                          exact_verify=not_pallas, intermediate=not_pallas)
         logger.info(
             "KV cache: %d pages of %d tokens = %d tokens (%.1f MiB)",
             self.num_pages - 1, self.engine_config.page_size,

@@ -73,18 +73,26 @@ class StepBuckets:
 
     @classmethod
     def coarse(cls, engine_config: EngineConfig, max_model_len: int, *,
-               min_num_tokens: int = 1, exact_verify: bool = True) -> "StepBuckets":
+               min_num_tokens: int = 1, exact_verify: bool = True,
+               intermediate: bool = False) -> "StepBuckets":
         """Few executables: T powers of two from 1 (a single-stream decode step computes one token,
         not eight), S coarse (see above), P one fixed width (the attention's work follows the real
         context lengths, not P). With speculative decoding and `exact_verify`, T = 1 +
         num_speculative_tokens is a bucket too: a single stream's full verification step then pads
         nothing (the engine asks for it on the XLA path, where a CPU step's cost grows with T
-        already from 1 to 8; the Pallas kernels keep power-of-two T)."""
+        already from 1 to 8; the Pallas kernels keep power-of-two T). With `intermediate`, the
+        decode sizes between 16 and max_num_seqs get a bucket at 1.5x each power of two (24, 48,
+        ...) for T and S alike: a decode step of 40 sequences pays 48 rows, not 64 (on a CPU a
+        step's matmuls cost about their rows from 16 rows up)."""
         ps = engine_config.page_size
         max_seqs = min(engine_config.max_num_seqs, engine_config.max_num_batched_tokens)
         small = min(min_num_tokens, next_power_of_2(max_seqs))
         seq_buckets = _powers_of_2(small, max_seqs)
         token_buckets = _powers_of_2(min_num_tokens, engine_config.max_num_batched_tokens)
+        if intermediate:
+            extra = {3 * b // 2 for b in seq_buckets if 16 <= b and 3 * b // 2 < max_seqs}
+            seq_buckets = tuple(sorted({*seq_buckets, *extra}))
+            token_buckets = tuple(sorted({*token_buckets, *extra}))
         if exact_verify and engine_config.speculative_method is not None:
             verify = 1 + engine_config.num_speculative_tokens
             if min_num_tokens <= verify <= token_buckets[-1]:

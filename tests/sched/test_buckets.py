@@ -40,5 +40,22 @@ def test_coarse_buckets_cover_every_step_with_few_shapes():
     assert b.pick(100, 20, 3) == (128, 64, 512)
 
 
+def test_intermediate_buckets_for_decode_sizes_between_powers_of_two():
+    cfg = make_config(page_size=16, max_num_seqs=64, max_num_batched_tokens=512)
+    b = StepBuckets.coarse(cfg, 8192, intermediate=True)
+    assert b.token_buckets == (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512)
+    assert b.seq_buckets == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    shapes = set(b.all_shapes())
+    assert {(24, 24, 512), (48, 48, 512), (24, 1, 512), (48, 1, 512)} <= shapes
+    assert b.pick(40, 40, 3) == (48, 48, 512) and b.pick(17, 17, 3) == (24, 24, 512)
+    assert b.pick(49, 49, 3) == (64, 64, 512) and b.pick(100, 20, 3) == (128, 64, 512)
+    for t in range(1, 513, 5):
+        for s in range(1, min(t, 64) + 1, 3):
+            T, S, P = b.pick(t, s, 1)
+            assert (T, S, P) in shapes and T >= t and S >= s
+    small = make_config(page_size=16, max_num_seqs=16, max_num_batched_tokens=512)
+    assert 24 not in StepBuckets.coarse(small, 8192, intermediate=True).token_buckets
+
+
 def test_width_bucket():
     assert [width_bucket(n) for n in (0, 1, 8, 9, 17)] == [8, 8, 8, 16, 32]
