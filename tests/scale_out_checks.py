@@ -1,7 +1,7 @@
 """Multi-device checks of tensor and data parallelism, run in a subprocess with fake CPU devices.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m tests.scale_out_checks DIR tp \
-        tp:quantization=int8 tp_bad_heads
+        tp:quantization=int8 tp:attention_backend=xla tp_chunked tp_hlo tp_bad_heads
 
 (tests/test_scale_out.py runs them: the flag must be set before jax is imported, and the test
 process itself has one device.) Each check raises AssertionError on a mismatch and prints `ok`.
@@ -26,32 +26,126 @@ def _heads_per_device(array, axis: int) -> set[int]:
     return {shard.data.shape[axis] for shard in array.addressable_shards}
 
 
-def check_tp(model_dir: str, **engine_kwargs) -> None:
-    """tp=2 gives tp=1's greedy tokens; weights and KV cache are split by head over 2 devices."""
+def _kv_head_axis(engine) -> int:
+    """The axis of the KV-head split of the engine's cache (its backend's layout)."""
+    from jaxinfer import ops
+    from jaxinfer.ops.sharded import kv_cache_spec
+
+    kv = engine.runner.kv_cache.k
+    spec = kv_cache_spec(kv.ndim, ops.head_major_cache(engine.runner.attention_backend))
+    got = tuple(kv.sharding.spec) + (None,) * (kv.ndim - len(kv.sharding.spec))
+    assert got == tuple(spec), (kv.sharding, spec)
+    return list(spec).index("tp")
+
+
+def check_tp(model_dir: str, tp: int = 2, **engine_kwargs) -> None:
+    """tp devices give tp=1's greedy tokens on the same attention backend (the kernels run per
+    device under shard_map); weights and KV cache are split by head over the devices."""
+    import warnings
+
     import jax
 
     from jaxinfer.llm import LLM
 
-    assert len(jax.devices()) >= 2, jax.devices()
+    assert len(jax.devices()) >= tp, jax.devices()
+    # a kernel's silent fallback to the XLA path would make a kernel backend's check vacuous
+    warnings.filterwarnings("error", message="pallas .* unavailable")
     base = dict(num_pages=64, max_num_seqs=4, max_model_len=128, **engine_kwargs)
-    want = _greedy(LLM(model_dir, **base))
-    llm = LLM(model_dir, tensor_parallel_size=2, **base)
+    one = LLM(model_dir, **base)
+    want = _greedy(one)
+    llm = LLM(model_dir, tensor_parallel_size=tp, **base)
     got = _greedy(llm)
     assert got == want, (got, want)
     engine = llm.engine
     mc = engine.model_config
-    assert engine.runner.attention_backend == "xla"
+    assert engine.runner.attention_backend == one.engine.runner.attention_backend
+    assert engine.runner.flags.mesh is not None and engine.runner.flags.mesh.devices.size == tp
     attn = engine.runner.state["layers"][0]["self_attn"]
     qkv = attn["qkv_proj"]
     leaf = qkv["weight"] if "weight" in qkv else qkv["values"]
-    per_device = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim // 2
+    per_device = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim // tp
     assert leaf.sharding.spec[-1] == "tp", leaf.sharding
     assert {s.data.shape[-1] for s in leaf.addressable_shards} == {per_device}
-    assert len({s.device for s in leaf.addressable_shards}) == 2
+    assert len({s.device for s in leaf.addressable_shards}) == tp
     kv = engine.runner.kv_cache  # after the steps above: still split by KV head
-    assert _heads_per_device(kv.k, 3) == {mc.num_kv_heads // 2}, kv.k.sharding
-    assert _heads_per_device(kv.v, 3) == {mc.num_kv_heads // 2}, kv.v.sharding
-    print("ok tp", engine_kwargs, got[0])
+    axis = _kv_head_axis(engine)
+    assert _heads_per_device(kv.k, axis) == {mc.num_kv_heads // tp}, kv.k.sharding
+    assert _heads_per_device(kv.v, axis) == {mc.num_kv_heads // tp}, kv.v.sharding
+    print("ok tp", tp, engine.runner.attention_backend, engine_kwargs, got[0])
+
+
+def check_tp_chunked(model_dir: str, **engine_kwargs) -> None:
+    """tp=2 = tp=1 greedy tokens with prompts prefilled in chunks (a 16-token step budget over
+    4-token pages) and, in a second round, prompts whose leading pages are prefix-cache hits."""
+    import numpy as np
+
+    from jaxinfer.llm import LLM
+    from jaxinfer.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(7)
+    first = [rng.integers(3, 300, size=n).tolist() for n in (1, 7, 19, 45)]
+    second = [first[3][:40] + rng.integers(3, 300, size=5).tolist(), first[2] + [17, 18]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    base = dict(num_pages=96, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                max_model_len=128, **engine_kwargs)
+
+    def run(llm):
+        outs = [llm.generate(p, params, use_tqdm=False) for p in (first, second)]
+        return ([o.outputs[0].token_ids for o in outs[0] + outs[1]],
+                [o.metrics.num_cached_tokens for o in outs[1]])
+
+    want, want_cached = run(LLM(model_dir, **base))
+    llm = LLM(model_dir, tensor_parallel_size=2, **base)
+    got, cached = run(llm)
+    assert got == want, (got, want)
+    assert cached == want_cached and min(cached) >= 16, (cached, want_cached)  # prefix hits
+    print("ok tp chunked", llm.engine.runner.attention_backend, engine_kwargs, cached)
+
+
+def check_tp_hlo(model_dir: str, **engine_kwargs) -> None:
+    """The compiled tp=2 decode step: the attention kernel (C++ custom call) runs on each
+    device's own heads, 2 all-reduces of the activations per layer (after o_proj and down_proj;
+    one more for the vocabulary-sharded embedding lookup), and no collective moves a weight
+    matrix or the KV cache (only activations and the sampler's logits)."""
+    import re
+
+    import jax
+    import numpy as np
+
+    from jaxinfer.llm import LLM
+    from jaxinfer.sched.step_input import warmup_step_inputs
+
+    llm = LLM(model_dir, tensor_parallel_size=2, num_pages=64, max_num_seqs=4, max_model_len=128,
+              **engine_kwargs)
+    engine, runner = llm.engine, llm.engine.runner
+    mc = engine.model_config
+    si = next(iter(warmup_step_inputs(engine.engine_config, engine.max_model_len,
+                                      buckets=engine.buckets)))  # the smallest (decode) bucket
+    buf, layout = si.pack()
+    args = runner._step_args(jax.device_put(buf), np.bool_(False))
+    hlo = runner._step.lower(*args, layout, runner.flags).compile().as_text()
+    ops = []  # (op, result shape dims, custom-call target)
+    for line in hlo.splitlines():
+        m = re.search(r"= \w+\[([\d,]*)\]\S* (all-reduce|all-gather|all-to-all|"
+                      r"collective-permute|reduce-scatter|custom-call)(?:-start)?\(", line)
+        if m:
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            dims = tuple(int(d) for d in m.group(1).split(",") if d)
+            ops.append((m.group(2), dims, target.group(1) if target else ""))
+    num_tokens = si.shape[0]
+    if runner.attention_backend == "cpu":
+        kernels = [dims for op, dims, target in ops if "RaggedPagedAttention" in target]
+        local = (num_tokens, mc.num_heads // 2, mc.head_dim)  # one device's query heads
+        assert kernels == [local] * mc.num_layers, (kernels, local)
+    reduces = [dims for op, dims, _ in ops if op == "all-reduce"
+               and int(np.prod(dims)) == num_tokens * mc.hidden_size]
+    assert len(reduces) == 2 * mc.num_layers + 1, reduces
+    smallest_weight = min(leaf.size for leaf in jax.tree.leaves(runner.state) if leaf.ndim >= 2)
+    moved = [(op, dims) for op, dims, _ in ops if op != "custom-call"]
+    big = [(op, dims) for op, dims in moved if int(np.prod(dims)) >= smallest_weight]
+    assert not big, big  # a gathered weight or KV cache would be at least this large
+    print("ok tp hlo", runner.attention_backend, len(reduces), "all-reduces of activations,",
+          len(moved), "collectives")
 
 
 def check_tp_bad_heads(model_dir: str) -> None:
@@ -131,12 +225,12 @@ def check_multi_process(model_dir: str) -> None:
         return
     got = _greedy(llm)
     kv = llm.engine.runner.kv_cache.k
-    assert {s.data.shape[3] for s in kv.addressable_shards} == {1}, kv.sharding  # 1 of 2 heads
+    assert _heads_per_device(kv, _kv_head_axis(llm.engine)) == {1}, kv.sharding  # 1 of 2 heads
     assert llm.engine.num_pages == 2 * (64 // 16) + 1, llm.engine.num_pages  # 2 full contexts
     want = _greedy(LLM(model_dir, num_pages=64, **base))  # this process's device only
     assert got == want, (got, want)
     llm.engine.runner.stop_followers()
-    print("ok leader", got[0])
+    print("ok leader", llm.engine.runner.attention_backend, got[0])
 
 
 def _value(text: str):
@@ -148,7 +242,8 @@ def _value(text: str):
 
 if __name__ == "__main__":
     # python -m tests.scale_out_checks DIR CHECK[:key=value,...] ...
-    checks = {"tp": check_tp, "tp_bad_heads": check_tp_bad_heads, "dp": check_dp,
+    checks = {"tp": check_tp, "tp_chunked": check_tp_chunked, "tp_hlo": check_tp_hlo,
+              "tp_bad_heads": check_tp_bad_heads, "dp": check_dp,
               "tp_dp": check_tp_dp, "multi_process": check_multi_process}
     model_dir, *specs = sys.argv[1:]
     for spec in specs:

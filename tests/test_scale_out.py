@@ -30,18 +30,30 @@ def run_checks(num_devices: int, model_dir: str, *checks: str, timeout: float = 
 
 
 def test_tensor_parallel_matches_one_device(tiny_llama_dir):
-    """tp=2 = tp=1 greedy tokens, float and int8 weights; weights and KV cache split by head; a
-    KV-head count that tp does not divide raises ValueError naming it."""
-    out = run_checks(2, tiny_llama_dir, "tp", "tp:quantization=int8", "tp_bad_heads")
-    assert out.count("ok") == 3, out
+    """tp=2 = tp=1 greedy tokens on the C++ kernels (the CPU's default backend, run per device
+    under shard_map), with float and int8 weights, and on the XLA and Pallas (interpreted)
+    backends; weights and KV cache split by head; a KV-head count that tp does not divide raises
+    ValueError naming it."""
+    out = run_checks(2, tiny_llama_dir, "tp", "tp:quantization=int8", "tp:attention_backend=xla",
+                     "tp:attention_backend=pallas", "tp_bad_heads")
+    assert out.count("ok") == 5, out
+    assert "ok tp 2 cpu" in out and "ok tp 2 xla" in out and "ok tp 2 pallas" in out, out
 
 
-def test_tensor_parallel_qwen2(tmp_path):
-    """Biased q/k/v (reordered with their columns) and a tied, vocabulary-sharded LM head; int4
-    weights and an int8 KV cache (its scales split by head too)."""
-    model_dir = save_tiny_model("qwen2", tmp_path / "qwen2")
-    out = run_checks(2, model_dir, "tp", "tp:quantization=int4,kv_cache_dtype=int8")
-    assert out.count("ok") == 2, out
+def test_tensor_parallel_kernels_per_device(tiny_llama_dir):
+    """tp=2 on the C++ kernels: tp=1's greedy tokens through chunked prefill and prefix-cache
+    hits; the compiled step runs the attention custom call on each device's own heads, keeps 2
+    all-reduces per layer and gathers no weight and no KV cache."""
+    out = run_checks(2, tiny_llama_dir, "tp_chunked", "tp_hlo", "tp_hlo:attention_backend=xla")
+    assert "ok tp chunked cpu" in out and "ok tp hlo cpu" in out and "ok tp hlo xla" in out, out
+
+
+def test_tensor_parallel_smollm2(smollm2_gguf):
+    """SmolLM2-135M (9 query heads over 3 KV heads, tied embeddings, Q8_0 weights as stored) at
+    tp=3: each device runs the C++ kernel on 3 query heads and their one KV head; tp=1's greedy
+    tokens."""
+    out = run_checks(3, smollm2_gguf, "tp:tp=3")
+    assert "ok tp 3 cpu" in out, out
 
 
 def test_data_parallel_matches_one_engine(tiny_llama_dir):
@@ -65,8 +77,9 @@ def test_parallel_flags_come_from_engine_config():
 
 
 def test_one_engine_over_two_processes(tiny_llama_dir):
-    """Two processes of one CPU device each (gloo collectives) as one tp=2 engine: process 0's
-    tokens equal a one-device engine's, process 1 follows its steps until it stops them."""
+    """Two processes of one CPU device each (gloo collectives) as one tp=2 engine, its C++
+    attention kernels run per device: process 0's tokens equal a one-device engine's, process 1
+    follows its steps until it stops them."""
     import socket
 
     with socket.socket() as s:
@@ -89,4 +102,4 @@ def test_one_engine_over_two_processes(tiny_llama_dir):
                 p.kill()
     for p, (out, err) in zip(procs, results):
         assert p.returncode == 0, f"{out}\n{err[-6000:]}"
-    assert "ok leader" in results[0][0] and "ok follower" in results[1][0], results
+    assert "ok leader cpu" in results[0][0] and "ok follower" in results[1][0], results

@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
@@ -37,8 +38,8 @@ class Attention(nnx.Module):
                              dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin, kv_cache: KVCache, layer, md: AttentionMetadata,
-                 attention_backend: str):
-        # x: [T, hidden]; cos, sin: f32[T, D // 2]; layer: i32[]
+                 attention_backend: str, mesh: Mesh | None = None):
+        # x: [T, hidden]; cos, sin: f32[T, D // 2]; layer: i32[]; mesh: tensor-parallel (ops)
         num_tokens = x.shape[0]
         q_size = self.num_heads * self.head_dim
         with jax.named_scope("qkv_proj"):
@@ -50,12 +51,12 @@ class Attention(nnx.Module):
             k = apply_rope(k, cos, sin)
         with jax.named_scope("kv_write"):
             kv_cache = ops.write_kv(kv_cache, layer, k, v, md.slot_mapping,
-                                    backend=attention_backend)
+                                    backend=attention_backend, mesh=mesh)
         with jax.named_scope("attention"):
             out = ops.ragged_paged_attention(
                 q, kv_cache.k, kv_cache.v, layer, md, sm_scale=self.head_dim ** -0.5,
                 sliding_window=self.sliding_window, backend=attention_backend,
-                k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale)  # [T, Hq, D]
+                k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale, mesh=mesh)  # [T, Hq, D]
         with jax.named_scope("o_proj"):
             return self.o_proj(out.reshape(num_tokens, q_size)), kv_cache
 
@@ -87,10 +88,11 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
         self.mlp = MLP(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, kv_cache, layer, md, attention_backend):
+    def __call__(self, x, cos, sin, kv_cache, layer, md, attention_backend, mesh=None):
         with jax.named_scope("norm"):
             h = self.input_layernorm(x)
-        attn_out, kv_cache = self.self_attn(h, cos, sin, kv_cache, layer, md, attention_backend)
+        attn_out, kv_cache = self.self_attn(h, cos, sin, kv_cache, layer, md, attention_backend,
+                                            mesh)
         x = x + attn_out
         with jax.named_scope("norm"):
             h = self.post_attention_layernorm(x)
@@ -140,14 +142,16 @@ class LlamaForCausalLM(nnx.Module):
         return self
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
-                 md: AttentionMetadata, attention_backend: str = "xla"):
-        # input_ids, positions: i32[T] -> hidden [T, hidden_size], kv_cache (updated)
+                 md: AttentionMetadata, attention_backend: str = "xla", mesh: Mesh | None = None):
+        # input_ids, positions: i32[T] -> hidden [T, hidden_size], kv_cache (updated); mesh: the
+        # tensor-parallel mesh the weights and cache are placed on, where the attention kernels
+        # run per device (ops/sharded.py); None on one device
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))
         hidden = self.embed_tokens(input_ids)
         if self.layers_unrolled:
             for i, decoder_layer in enumerate(self.layers):
                 hidden, kv_cache = decoder_layer(hidden, cos, sin, kv_cache, jnp.int32(i), md,
-                                                 attention_backend)
+                                                 attention_backend, mesh)
             return self.norm(hidden), kv_cache
         layers_def, layers_state = nnx.split(self.layers)
 
@@ -155,7 +159,7 @@ class LlamaForCausalLM(nnx.Module):
             hidden, kv_cache, layer = carry
             decoder_layer = nnx.merge(layers_def, layer_state)
             hidden, kv_cache = decoder_layer(hidden, cos, sin, kv_cache, layer, md,
-                                             attention_backend)
+                                             attention_backend, mesh)
             return (hidden, kv_cache, layer + 1), None
 
         (hidden, kv_cache, _), _ = jax.lax.scan(

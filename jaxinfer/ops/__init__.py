@@ -12,18 +12,26 @@ XLA path with a warning, so every platform runs everything. Ops without a kernel
 (writing the cache and the quantized matmul on "cpu") run on the XLA path, which is what that
 backend wants there. The implementations live beside this module (`xla_attention.py`,
 `kv_cache.py`) and in `pallas_kernels/`, `cpu_kernels/` and `jaxinfer/quant/xla.py`.
+
+With a tensor-parallel `mesh` (tp > 1), `write_kv` and `ragged_paged_attention` on "cpu" and
+"pallas" run once per device on its own heads under `jax.shard_map` (`sharded.py`): the kernels
+are custom calls XLA's partitioner cannot split (the "cpu" cache write, an XLA scatter, goes
+with them and stays local). On "xla" the partitioner splits both by head itself.
 """
 
 from __future__ import annotations
 
+import functools
 import typing
 import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxinfer.config import Backend
 from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache, quantize_kv
+from jaxinfer.ops.sharded import attention_per_shard, num_shards, write_kv_per_shard
 from jaxinfer.ops.xla_attention import ragged_paged_attention_xla
 from jaxinfer.quant import QuantizedWeight
 from jaxinfer.quant import quantized_matmul as quantized_matmul_xla
@@ -94,13 +102,22 @@ def _fall_back(op: str, e: NotImplementedError) -> None:
 
 
 def write_kv(cache: KVCache, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array, *,
-             backend: str = "auto") -> KVCache:
+             backend: str = "auto", mesh: Mesh | None = None) -> KVCache:
     """Writes this step's K/V at [layer, slot // page_size, slot % page_size] (in place under
     donation). layer: i32[] (may be traced); k, v: [T, Hkv, D]; slot_mapping: i32[T]. An int8
-    cache gets each token's K/V quantized per head and its scales written at the same place."""
+    cache gets each token's K/V quantized per head and its scales written at the same place.
+    `mesh`: the tensor-parallel mesh the cache is split over by KV head (None: one device)."""
     if not cache.quantized:
         k, v = k.astype(cache.k.dtype), v.astype(cache.v.dtype)
     backend = resolve_backend(backend)
+    write = functools.partial(_write_kv_local, backend=backend)
+    if backend != "xla" and num_shards(mesh) > 1:
+        return write_kv_per_shard(write, mesh, cache, layer, k, v, slot_mapping,
+                                  head_major=head_major_cache(backend))
+    return write(cache, layer, k, v, slot_mapping)
+
+
+def _write_kv_local(cache: KVCache, layer, k, v, slot_mapping, *, backend: str) -> KVCache:
     if backend == "cpu":
         return _write_kv_head_major(cache, layer, k, v, slot_mapping)
     args = (cache.k, cache.v, layer, k, v, slot_mapping)
@@ -129,20 +146,33 @@ def _write_kv_head_major(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
 
 def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *, sm_scale: float,
                            sliding_window: int | None = None, soft_cap: float | None = None,
-                           backend: str = "auto", k_scale=None, v_scale=None) -> jax.Array:
+                           backend: str = "auto", k_scale=None, v_scale=None,
+                           mesh: Mesh | None = None) -> jax.Array:
     """Causal attention of a flat ragged batch of new tokens over the paged cache.
 
     q: [T, Hq, D]; k_cache, v_cache: the whole stacked cache, token-major [L, N, ps, Hkv, D], or
     head-major on the "cpu" backend (KVCache); layer: i32[]; returns [T, Hq, D] in q.dtype.
     k_scale, v_scale: exactly when the caches are int8. Rows of padding tokens (past
-    cu_q_lens[-1]) are zero.
+    cu_q_lens[-1]) are zero. `mesh`: the tensor-parallel mesh q and the cache are split over by
+    head (None: one device); the result is split the same way.
     """
     if (k_scale is None) != (v_scale is None) or (k_scale is None) != (k_cache.dtype != "int8"):
         raise ValueError(f"{k_cache.dtype=}: k_scale and v_scale must be given exactly for int8 "
                          f"caches ({k_scale is None=}, {v_scale is None=})")
+    backend = resolve_backend(backend)
+    attend = functools.partial(_attention_local, sm_scale=sm_scale, sliding_window=sliding_window,
+                               soft_cap=soft_cap, backend=backend)
+    if backend != "xla" and num_shards(mesh) > 1:
+        return attention_per_shard(attend, mesh, q, k_cache, v_cache, layer, md, k_scale, v_scale,
+                                   head_major=head_major_cache(backend))
+    return attend(q, k_cache, v_cache, layer, md, k_scale, v_scale)
+
+
+def _attention_local(q, k_cache, v_cache, layer, md: AttentionMetadata, k_scale, v_scale, *,
+                     sm_scale: float, sliding_window: int | None, soft_cap: float | None,
+                     backend: str) -> jax.Array:
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                    k_scale=k_scale, v_scale=v_scale)
-    backend = resolve_backend(backend)
     if backend == "cpu":  # a head-major cache: no XLA fallback reads it
         return cpu_attention.ragged_paged_attention(
             q, k_cache, v_cache, layer, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,

@@ -3,7 +3,9 @@
 An engine runs on a group of devices: the first `tensor_parallel_size` devices, or the group a
 data-parallel replica was given (jaxinfer/engine/replicas.py). Its weights and KV cache are placed
 on a `jax.sharding.Mesh` with one axis, `tp`, over that group (jaxinfer/runtime/sharding.py), and
-XLA's SPMD partitioner (GSPMD) splits the jitted step over it: no communication code of our own.
+XLA's SPMD partitioner (GSPMD) splits the jitted step over it, except for the attention kernels,
+which run once per device on its own heads (jaxinfer/ops/sharded.py): no communication code of
+our own.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-TP_AXIS = "tp"
+from jaxinfer.ops.sharded import TP_AXIS  # the axis the per-device attention kernels name
 
 
 def device_group(tensor_parallel_size: int, replica: int = 0) -> list[jax.Device]:

@@ -19,8 +19,8 @@ from cpu_kernels.ragged_paged_attention import MAX_PAGE_SIZE as MAX_CPU_PAGE_SIZ
 from jaxinfer.ops.kv_cache import allocate_kv_cache
 from jaxinfer.runtime.draft_model import DraftModel
 from jaxinfer.runtime.executable_cache import ExecutableCache
-from jaxinfer.runtime.mesh import available_ram
-from jaxinfer.runtime.sharding import allocate_sharded_kv_cache, attention_backend_for, shard_model
+from jaxinfer.runtime.mesh import available_ram, tp_size
+from jaxinfer.runtime.sharding import allocate_sharded_kv_cache, shard_model
 from jaxinfer.runtime.step import StepFlags, make_jitted_draft_step, make_jitted_step
 from jaxinfer.sched.output import RunnerOutput
 from jaxinfer.sched.step_input import StepInput
@@ -42,8 +42,10 @@ class ModelRunner:
         self.engine_config = engine_config
         self.num_pages = num_pages
         self.mesh = mesh
-        self.attention_backend = attention_backend_for(engine_config.attention_backend, mesh)
-        self.flags = StepFlags(attention_backend=self.attention_backend)
+        self.attention_backend = ops.resolve_backend(engine_config.attention_backend)
+        # with tp > 1 the step's attention kernels run per device on the mesh (ops/sharded.py)
+        self.flags = StepFlags(attention_backend=self.attention_backend,
+                               mesh=mesh if tp_size(mesh) > 1 else None)
         if mesh is not None:
             shard_model(model, model_config, mesh)
         if ops.unrolled_layers_faster():

@@ -16,17 +16,19 @@ Quantized weights (quant.QuantizedWeight: values, scales, mins, and the float `d
 kept) are sharded along the same axes wherever that axis divides by tp (a packed int4 row axis or
 a group axis that does not is replicated instead, which is still correct, only less memory-lean).
 
-Attention with tp > 1 runs on the XLA backend (attention_backend "xla"): the C++ CPU kernels and
-the Pallas kernels are opaque custom calls that GSPMD cannot partition (it would gather the whole
-cache onto every device), so `attention_backend_for` switches to XLA's attention, which it splits
-by head like any other op, and logs that it did. Quantized matmuls follow it onto the XLA path.
+Attention is the exception to "left to GSPMD": the C++ CPU kernels and the Pallas kernels are
+custom calls that GSPMD cannot partition (it would gather the whole cache onto every device), so
+with tp > 1 the model hands the mesh to `ops`, which runs the KV write and the attention kernel
+once per device on its own heads under `jax.shard_map` (jaxinfer/ops/sharded.py): q and the cache
+split by head, the page table and lengths replicated, the output split by query head as o_proj's
+rows expect. The XLA backend's attention is plain jnp that GSPMD splits by head by itself.
+Quantized matmuls run on the XLA path with tp > 1 (set here, in `shard_model`): GSPMD splits
+the dequantize-and-matmul like any other op, where the quantized-matmul kernels would be opaque.
 Speculative decoding with a draft model is not supported with tp > 1 (the draft's cache would need
 the same treatment); n-gram speculation is.
 """
 
 from __future__ import annotations
-
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -40,9 +42,8 @@ from jaxinfer.models.layers import Embed, QuantizedEmbed, set_quantized_matmul_b
 from jaxinfer.models.llama import MLP, Attention
 from jaxinfer.models.tp_layout import gate_up_column_order, qkv_column_order
 from jaxinfer.ops.kv_cache import KVCache, allocate_kv_cache
+from jaxinfer.ops.sharded import kv_cache_spec
 from jaxinfer.runtime.mesh import TP_AXIS, tp_size
-
-logger = logging.getLogger(__name__)
 
 _WEIGHT_ATTRS = ("weight", "bias", "values", "scales", "mins", "dense", "embedding")
 _COLUMN_LAYERS = ("qkv_proj", "gate_up_proj", "lm_head")  # sharded by output column
@@ -60,18 +61,6 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
                 f"tensor_parallel_size={tp} must divide the model's {name}={value} "
                 f"(num_heads={config.num_heads}, num_kv_heads={config.num_kv_heads}): each device "
                 "holds an equal share of the heads")
-
-
-def attention_backend_for(backend: str, mesh: Mesh | None) -> str:
-    """The resolved attention backend a step on `mesh` runs: `backend`, except "xla" when tp > 1
-    (custom-call kernels are not partitioned by GSPMD), with a log line saying so."""
-    resolved = ops.resolve_backend(backend)
-    if tp_size(mesh) > 1 and resolved != "xla":
-        logger.warning("tensor_parallel_size=%d: attention runs on the XLA backend instead of %r "
-                       "(its custom-call kernels cannot be partitioned over heads by GSPMD)",
-                       tp_size(mesh), resolved)
-        return "xla"
-    return resolved
 
 
 def shard_model(model: nnx.Module, config: ModelConfig, mesh: Mesh) -> nnx.Module:
@@ -144,13 +133,6 @@ def _weight_spec(path: tuple, module: nnx.Module, attr: str, shape: tuple, tp: i
         axis = 0  # [V, H]
     if axis is None or shape[axis] % tp:
         return P()
-    return P(*([None] * axis + [TP_AXIS] + [None] * (ndim - axis - 1)))
-
-
-def kv_cache_spec(ndim: int, head_major: bool) -> P:
-    """K/V [L, N, ps, Hkv, D] or head-major [L, N, Hkv, D|ps, ps|D], scales one dim less:
-    the KV-head axis over `tp`."""
-    axis = 2 if head_major else 3
     return P(*([None] * axis + [TP_AXIS] + [None] * (ndim - axis - 1)))
 
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache
 from jaxinfer.runtime.draft_model import DraftInputs, propose_drafts
@@ -29,6 +30,9 @@ class StepFlags(NamedTuple):
     """Static parts of a step besides the shapes (hashable)."""
 
     attention_backend: str
+    # the tensor-parallel mesh the state is placed on: the attention kernels run per device on
+    # it (ops/sharded.py); None on one device
+    mesh: Mesh | None = None
 
 
 class StepParts(NamedTuple):
@@ -78,7 +82,8 @@ def _forward_and_sample(graphdef, state, kv_cache, parts: StepParts, want_top_lo
     -> (logits f32[R, V], SamplerOutput, kv_cache)."""
     model = nnx.merge(graphdef, state)
     hidden, kv_cache = model(parts.input_ids, parts.positions, kv_cache, parts.attention,
-                             attention_backend=flags.attention_backend)  # hidden: [T, H]
+                             attention_backend=flags.attention_backend,
+                             mesh=flags.mesh)  # hidden: [T, H]
     logits = model.compute_logits(hidden[parts.logits_indices])  # f32[R, V]
     out = sample_any(logits, parts.sampling, want_top_logprobs)
     targets = parts.target_token_ids  # i32[R] | None
