@@ -34,6 +34,7 @@ import tomllib
 import jax
 import uvicorn
 
+from jaxinfer import disk_cache
 from jaxinfer.config import EngineConfig
 from jaxinfer.config_args import add_engine_args, engine_kwargs
 from jaxinfer.engine.replicas import make_engine, run_follower
@@ -50,8 +51,9 @@ API_KEY_ENV = "JAXINFER_API_KEY"
 
 
 def default_compilation_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxinfer", "jax")
+    """<cache root>/jax: under JAXINFER_CACHE_DIR when set, like every other cache
+    (jaxinfer/disk_cache.py), so one variable moves them all."""
+    return str(disk_cache.cache_root() / "jax")
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

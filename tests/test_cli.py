@@ -102,3 +102,13 @@ def test_help_lists_the_engine_flags(capsys):
 def test_generate_keeps_its_sampling_seed():
     args = build_parser().parse_args(["generate", "--seed", "7", "--page-size", "32"])
     assert args.seed == 7 and engine_kwargs(args) == {"page_size": 32}
+
+
+def test_the_compilation_cache_follows_the_cache_root(monkeypatch, tmp_path):
+    from serve.cli import default_compilation_cache_dir
+
+    monkeypatch.setenv("JAXINFER_CACHE_DIR", str(tmp_path / "root"))
+    assert default_compilation_cache_dir() == str(tmp_path / "root" / "jax")
+    monkeypatch.delenv("JAXINFER_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_compilation_cache_dir() == str(tmp_path / "xdg" / "jaxinfer" / "jax")
