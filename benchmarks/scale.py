@@ -2,6 +2,7 @@
 
     JAX_PLATFORMS=cpu python benchmarks/scale.py                  # host devices (default)
     JAX_PLATFORMS=cpu python benchmarks/scale.py --settings 1x1,2x1 --layers 4
+    JAX_PLATFORMS=cpu python benchmarks/scale.py --settings 2x1 --attention-backend xla
     python benchmarks/scale.py --devices real                     # jax.devices(), e.g. GPUs
 
 Each setting TPxDP (tensor_parallel_size x data_parallel_size; default 1x1, 2x1, 4x1, 1x2, 2x2)
@@ -19,9 +20,9 @@ vocabulary 49152 (its tokenizer), `--layers` (8) layers, float32. Per setting: a
 tokens each, greedy, EOS ignored, prefix caching off; then the decode step time: 16 requests
 brought to decoding, `--steps` (8) engine steps timed (one step decodes one token of each). The
 table gives the step time, output tok/s of the workload and its ratio to tp=1 (1x1).
-Attention runs on the XLA backend when tp > 1 (docs/scale_out.md) and on the default backend
-at tp=1, so the ratio also holds that difference. On a shared machine repeat a run before
-reading much into one row: 8 timed steps move with the load.
+Every setting runs attention on `--attention-backend` (default "auto": the C++ kernels on a CPU,
+run per device under shard_map when tp > 1; docs/scale_out.md). On a shared machine repeat a run
+before reading much into one row: 8 timed steps move with the load.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def run_setting(args) -> dict:
                   data_parallel_size=args.dp, max_num_seqs=args.requests,
                   max_num_batched_tokens=max(256, args.prompt_len),
                   max_model_len=args.prompt_len + args.output_len + args.steps + 16,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, attention_backend=args.attention_backend)
     rng = np.random.default_rng(0)
 
     def prompts():
@@ -95,6 +96,7 @@ def run_setting(args) -> dict:
     for rid in ids:
         engine.abort_request(rid)
     return {"devices": f"{len(jax.devices())} x {jax.devices()[0].platform}",
+            "attention": getattr(engine, "replicas", [engine])[0].runner.attention_backend,
             "step_ms": step_s * 1e3, "tok_s": out_tokens / seconds, "out_tokens": out_tokens,
             "seconds": seconds, "warmup_s": warmup_s}
 
@@ -110,7 +112,7 @@ def run_child(setting: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tp", str(tp), "--dp", str(dp),
            "--layers", str(args.layers), "--requests", str(args.requests),
            "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
-           "--steps", str(args.steps)]
+           "--steps", str(args.steps), "--attention-backend", args.attention_backend]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                               timeout=args.timeout, check=False)
@@ -133,6 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed")
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "xla", "pallas"],
+                    help="the engines' attention_backend (default: auto)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per setting")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -155,17 +159,19 @@ def main(argv=None) -> int:
     print(f"{args.layers}-layer SmolLM2-shaped model (8 / 4 heads), random weights; "
           f"{args.requests} requests x {args.prompt_len} prompt + {args.output_len} output tokens, "
           "greedy; step = one decode step of all requests\n")
-    print(f"| setting | devices | step ms (decode, batch {args.requests}) | output tok/s | "
-          "ratio to tp=1 |")
-    print("| --- | --- | --- | --- | --- |")
+    print(f"| setting | devices | attention | step ms (decode, batch {args.requests}) | "
+          "output tok/s | ratio to tp=1 |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for setting, r in rows:
         tp, dp = setting.split("x")
         name = f"tp={tp} dp={dp}"
         if "error" in r:
-            print(f"| {name} | {int(tp) * int(dp)} | failed: {r['error'].replace('|', '/')} | | |")
+            print(f"| {name} | {int(tp) * int(dp)} | | failed: {r['error'].replace('|', '/')} "
+                  "| | |")
             continue
         ratio = f"{r['tok_s'] / base:.2f}" if base else "n/a"
-        print(f"| {name} | {r['devices']} | {r['step_ms']:.1f} | {r['tok_s']:.1f} | {ratio} |")
+        print(f"| {name} | {r['devices']} | {r['attention']} | {r['step_ms']:.1f} | "
+              f"{r['tok_s']:.1f} | {ratio} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows), f, indent=1)
