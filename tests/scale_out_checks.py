@@ -121,9 +121,8 @@ def check_tp_hlo(model_dir: str, **engine_kwargs) -> None:
     mc = engine.model_config
     si = next(iter(warmup_step_inputs(engine.engine_config, engine.max_model_len,
                                       buckets=engine.buckets)))  # the smallest (decode) bucket
-    buf, layout = si.pack()
-    args = runner._step_args(jax.device_put(buf), np.bool_(False))
-    hlo = runner._step.lower(*args, layout, runner.flags).compile().as_text()
+    compiled, _ = runner._prepare(si)  # the step's executable for this bucket, as execute runs it
+    hlo = compiled.as_text()
     ops = []  # (op, result shape dims, custom-call target)
     for line in hlo.splitlines():
         m = re.search(r"= \w+\[([\d,]*)\]\S* (all-reduce|all-gather|all-to-all|"
