@@ -156,3 +156,43 @@ def test_off_without_jax_cache_or_with_no_cache_env(monkeypatch, tmp_path):
         assert ExecutableCache.from_jax_config() is None
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+_LOAD_IN_A_NEW_PROCESS = """
+import logging, sys
+from jaxinfer import LLM
+from jaxinfer.runtime.executable_cache import ExecutableCache
+ExecutableCache.from_jax_config = classmethod(lambda cls: cls(sys.argv[2]))
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+llm = LLM(sys.argv[1], warmup=True, quantization="int8", attention_backend="cpu", **eval(sys.argv[3]))
+out = llm.generate([[5, 6, 7, 8]], None, use_tqdm=False)[0]
+print("TOKENS", out.outputs[0].token_ids)
+"""
+
+
+def test_a_new_process_loads_steps_with_cpu_kernel_custom_calls(tiny_llama_dir, tmp_path):
+    """A process that loads every step from the cache traces none, so it must register the C++
+    kernels' handlers itself before loading (else: "No FFI handler registered", compile again)."""
+    import subprocess
+    import sys
+
+    from cpu_kernels import quant_matmul
+
+    if not quant_matmul.available():
+        pytest.skip("the C++ CPU kernels do not build here")
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-c", _LOAD_IN_A_NEW_PROCESS, tiny_llama_dir, str(tmp_path),
+             repr(SETTINGS)], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(proc.stdout + proc.stderr)
+    first, second = runs
+    n = first.count("compiled a step for")
+    assert n > 0 and "loaded a step for" not in first
+    assert any("JaxinferQuantMatmul" in p.read_bytes().decode("latin-1")
+               for p in tmp_path.glob("*/*.jaxexe"))  # the steps do call the quant kernel
+    assert "unusable" not in second, second[-3000:]
+    assert second.count("loaded a step for") == n and "compiled a step for" not in second
+    assert [line for line in first.splitlines() if line.startswith("TOKENS")] == [
+        line for line in second.splitlines() if line.startswith("TOKENS")]

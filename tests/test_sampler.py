@@ -316,6 +316,29 @@ def test_logprobs_are_raw_log_softmax():
     assert _sample(jnp.asarray(logits), md).top_token_ids is None
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_sample_any_computes_logprobs_only_at_the_level_asked(greedy):
+    rng = np.random.default_rng(11)
+    num_rows, vocab_size = 6, 40
+    logits = jnp.asarray(rng.normal(size=(num_rows, vocab_size)).astype(np.float32) * 3)
+    md = _md(num_rows, temperature=0.0 if greedy else 0.8, seeds=np.arange(num_rows),
+             positions=np.arange(num_rows))
+    full = _sample(logits, md, num_top_logprobs=sampler.MAX_TOP_LOGPROBS, needs_sort=False)
+    run = jax.jit(sampler.sample_any)
+    none, token, top = (run(logits, md, jnp.int32(level)) for level in (
+        sampler.NO_LOGPROBS, sampler.TOKEN_LOGPROBS, sampler.TOP_LOGPROBS))
+    for out in (none, token, top):  # the same tokens whatever is asked
+        np.testing.assert_array_equal(np.asarray(out.token_ids), np.asarray(full.token_ids))
+    np.testing.assert_array_equal(np.asarray(none.logprobs), np.zeros(num_rows, np.float32))
+    np.testing.assert_array_equal(np.asarray(none.top_token_ids), 0)
+    np.testing.assert_array_equal(np.asarray(token.logprobs), np.asarray(full.logprobs))
+    np.testing.assert_array_equal(np.asarray(token.top_logprobs), 0.0)
+    np.testing.assert_array_equal(np.asarray(top.logprobs), np.asarray(full.logprobs))
+    np.testing.assert_array_equal(np.asarray(top.top_token_ids), np.asarray(full.top_token_ids))
+    np.testing.assert_allclose(np.asarray(top.top_logprobs), np.asarray(full.top_logprobs),
+                               atol=1e-6)
+
+
 def test_shape_errors():
     with pytest.raises(ValueError, match="md.top_k.shape"):
         sampler.sample(jnp.zeros((3, 8)), default_sampling_metadata(3)._replace(top_k=jnp.zeros(2)))

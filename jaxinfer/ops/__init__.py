@@ -84,6 +84,15 @@ def cache_page_size(cache: KVCache, backend: str) -> int:
     return cache.k.shape[4] if head_major_cache(backend) else cache.k.shape[2]
 
 
+def register_cpu_kernels() -> None:
+    """Registers the C++ kernels' custom-call handlers (on a CPU, where they build), as tracing a
+    step that uses one does: an executable loaded from disk was never traced in this process and
+    would otherwise find no handler for its custom calls."""
+    if jax.default_backend() == "cpu":
+        cpu_attention.available()
+        cpu_quant.available()
+
+
 def unrolled_layers_faster() -> bool:
     """Whether a step should run the decoder layers unrolled (`LlamaForCausalLM.unroll_layers`):
     on the CPU, where a layer scan copies every layer's weights out of the stacked arrays before

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.runtime.runner import ModelRunner
+from jaxinfer.runtime.runner import ModelRunner, logprob_level
 from jaxinfer.sched.step_input import StepInput
 
 logger = logging.getLogger(__name__)
@@ -97,14 +97,14 @@ class MultiHostRunner(ModelRunner):
         if jax.process_index() == 0:
             atexit.register(self.stop_followers)
 
-    def _step_args(self, buf, want_top) -> tuple:
+    def _step_args(self, buf, level) -> tuple:
         buf = jax.device_put(np.asarray(buf), self._replicated)  # the same value on every process
-        want_top = jax.device_put(np.asarray(want_top), self._replicated)
-        return super()._step_args(buf, want_top)
+        level = jax.device_put(np.asarray(level), self._replicated)
+        return super()._step_args(buf, level)
 
     def execute(self, step_input: StepInput):
         buf, layout = step_input.pack()
-        _broadcast(_STEP, buf, layout, bool(step_input.num_top_logprobs > 0))
+        _broadcast(_STEP, buf, layout, int(logprob_level(step_input)))
         return super().execute(step_input)
 
     def compile(self, step_inputs, num_threads: int = 1) -> int:
@@ -122,7 +122,7 @@ class MultiHostRunner(ModelRunner):
         """Ends the followers' loops (once; the leader only)."""
         if not self._stopped and jax.process_index() == 0:
             self._stopped = True
-            _broadcast(_STOP, np.zeros(1, np.int32), (), False)
+            _broadcast(_STOP, np.zeros(1, np.int32), (), 0)
 
 
 def follow(runner: MultiHostRunner) -> int:
@@ -132,29 +132,29 @@ def follow(runner: MultiHostRunner) -> int:
         raise ValueError("process 0 leads; only processes 1.. follow")
     steps = 0
     while True:
-        kind, buf, layout, want_top = _receive()
+        kind, buf, layout, level = _receive()
         if kind == _STOP:
             return steps
-        args = runner._step_args(buf, np.bool_(want_top))
+        args = runner._step_args(buf, np.int32(level))
         result = runner._step(*args, layout, runner.flags)
         out, _ = runner._keep_caches(result)
         jax.block_until_ready(out)
         steps += 1
 
 
-def _broadcast(kind: int, buf: np.ndarray, layout, want_top: bool) -> None:
+def _broadcast(kind: int, buf: np.ndarray, layout, level: int) -> None:
     """The leader's half of one message: a fixed-size header, then the payload it sizes."""
     meta = np.frombuffer(pickle.dumps(layout), np.uint8)
-    header = np.array([kind, meta.size, buf.size, int(want_top)], np.int32)
+    header = np.array([kind, meta.size, buf.size, int(level)], np.int32)
     multihost_utils.broadcast_one_to_all(header)
     multihost_utils.broadcast_one_to_all((meta, buf.astype(np.int32)))
 
 
 def _receive() -> tuple[int, np.ndarray, tuple, bool]:
-    """A follower's half: (kind, i32[n] buffer, layout, want_top)."""
+    """A follower's half: (kind, i32[n] buffer, layout, level)."""
     header = np.asarray(multihost_utils.broadcast_one_to_all(np.zeros(4, np.int32)))
-    kind, meta_size, buf_size, want_top = (int(v) for v in header)
+    kind, meta_size, buf_size, level = (int(v) for v in header)
     meta, buf = multihost_utils.broadcast_one_to_all(
         (np.zeros(meta_size, np.uint8), np.zeros(buf_size, np.int32)))
     layout = pickle.loads(np.asarray(meta).tobytes())
-    return kind, np.asarray(buf), layout, bool(want_top)
+    return kind, np.asarray(buf), layout, int(level)

@@ -20,6 +20,7 @@ from jaxinfer.ops.kv_cache import allocate_kv_cache
 from jaxinfer.runtime.draft_model import DraftModel
 from jaxinfer.runtime.executable_cache import ExecutableCache
 from jaxinfer.runtime.mesh import available_ram, tp_size
+from jaxinfer.runtime.sampler import NO_LOGPROBS, TOKEN_LOGPROBS, TOP_LOGPROBS
 from jaxinfer.runtime.sharding import allocate_sharded_kv_cache, shard_model
 from jaxinfer.runtime.step import StepFlags, make_jitted_draft_step, make_jitted_step
 from jaxinfer.sched.output import RunnerOutput
@@ -85,8 +86,8 @@ class ModelRunner:
         signature = (layout, flags)
         is_new = signature not in self._seen_signatures
         t0 = time.perf_counter()
-        want_top = np.bool_(step_input.num_top_logprobs > 0)
-        args = self._step_args(jax.device_put(buf), want_top)
+        level = logprob_level(step_input)
+        args = self._step_args(jax.device_put(buf), level)
         compiled = self._executables.get(signature)
         result = compiled(*args) if compiled is not None else self._step(*args, layout, flags)
         out, draft_ids = self._keep_caches(result)
@@ -97,7 +98,7 @@ class ModelRunner:
             dt = time.perf_counter() - t0
             self.compile_seconds += dt
             logger.info("compiled a step for (T, S, P)=%s %s in %.1f s", step_input.shape, flags, dt)
-        n, want = step_input.num_rows, bool(want_top)
+        n, want = step_input.num_rows, int(level) >= TOP_LOGPROBS
         return RunnerOutput(
             token_ids=np.asarray(host.token_ids[:n]),
             logprobs=np.asarray(host.logprobs[:n]),
@@ -106,12 +107,12 @@ class ModelRunner:
             draft_token_ids=None if draft_ids is None else np.asarray(draft_ids),
         )
 
-    def _step_args(self, buf: jax.Array, want_top: np.bool_) -> tuple:
+    def _step_args(self, buf: jax.Array, level: np.int32) -> tuple:
         """The step's arguments besides the static ones (the KV caches are donated)."""
         if self.draft is None:
-            return self.state, self.kv_cache, buf, want_top
+            return self.state, self.kv_cache, buf, level
         d = self.draft
-        return self.state, self.kv_cache, d.state, d.kv_cache, d.q_store, buf, want_top
+        return self.state, self.kv_cache, d.state, d.kv_cache, d.q_store, buf, level
 
     def _keep_caches(self, result) -> tuple:
         """Takes the updated caches out of a step's result -> (SamplerOutput, drafts | None)."""
@@ -172,10 +173,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         flags = self.flags
         buf, layout = step_input.pack()
-        args = self._step_args(jax.device_put(buf), np.bool_(False))
+        args = self._step_args(jax.device_put(buf), np.int32(NO_LOGPROBS))
         cache, key, compiled, how = self._executable_cache, None, None, "loaded"
         if cache is not None:
             key = cache.step_key((layout, flags), args, self._cache_context)
+            ops.register_cpu_kernels()  # the loaded step's custom calls need their handlers
             compiled = cache.load(key, args)
         if compiled is None:
             compiled, how = self._step.lower(*args, layout, flags).compile(), "compiled"
@@ -222,3 +224,12 @@ def param_bytes(state: nnx.State) -> int:
 
 def kv_dtype_of(engine_config: EngineConfig):
     return jnp.dtype(engine_config.kv_cache_dtype or engine_config.dtype)
+
+
+def logprob_level(step_input: StepInput) -> np.int32:
+    """What the step's sampler computes besides tokens (runtime/sampler.py's levels): top
+    logprobs when a row asks for some, the chosen tokens' logprobs when a row asks for logprobs
+    or prompt logprobs, else nothing."""
+    if step_input.num_top_logprobs > 0:
+        return np.int32(TOP_LOGPROBS)
+    return np.int32(TOKEN_LOGPROBS if step_input.needs_logprobs else NO_LOGPROBS)

@@ -262,19 +262,8 @@ def sample(
     if not 0 <= num_top_logprobs <= vocab_size:
         raise ValueError(f"{num_top_logprobs=} must be in [0, {vocab_size=}]")
     logits = logits.astype(jnp.float32)
-    adjusted = adjust_logits(logits, md)
-    greedy_ids = _argmax(adjusted)
-    if all_greedy:
-        token_ids = greedy_ids
-    else:
-        x = warp_logits(adjusted, md, needs_sort=needs_sort)
-        sampled_ids = _categorical_from_logits(x, row_keys(md.seeds, md.positions))
-        token_ids = jnp.where(md.temperature < GREEDY_EPS, greedy_ids, sampled_ids)
-    # The raw model's log_softmax at the chosen tokens, computed as jax.nn.log_softmax does
-    # ((x - max) - log(sum(exp(x - max)))), without writing the [R, V] array unless the top
-    # logprobs need it.
-    x_max = jnp.max(logits, axis=-1, keepdims=True)  # f32[R, 1]
-    log_sum = jnp.log(jnp.sum(jnp.exp(logits - x_max), axis=-1, keepdims=True))  # f32[R, 1]
+    token_ids = sample_token_ids(logits, md, needs_sort=needs_sort, all_greedy=all_greedy)
+    x_max, log_sum = _log_softmax_terms(logits)
     picked = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)  # f32[R, 1]
     token_logprobs = ((picked - x_max) - log_sum)[:, 0]
     top_token_ids = top_logprobs = None
@@ -283,6 +272,33 @@ def sample(
         top_logprobs, top_token_ids = jax.lax.top_k(raw_logprobs, num_top_logprobs)
         top_token_ids = top_token_ids.astype(jnp.int32)
     return SamplerOutput(token_ids, token_logprobs, top_token_ids, top_logprobs)
+
+
+def sample_token_ids(logits: jax.Array, md: SamplingMetadata, *, needs_sort: bool = True,
+                     all_greedy: bool = False) -> jax.Array:
+    """`sample`'s tokens alone: f32[R, V] -> i32[R] (the flags as there)."""
+    adjusted = adjust_logits(logits.astype(jnp.float32), md)
+    greedy_ids = _argmax(adjusted)
+    if all_greedy:
+        return greedy_ids
+    x = warp_logits(adjusted, md, needs_sort=needs_sort)
+    sampled_ids = _categorical_from_logits(x, row_keys(md.seeds, md.positions))
+    return jnp.where(md.temperature < GREEDY_EPS, greedy_ids, sampled_ids)
+
+
+def _log_softmax_terms(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(max, log(sum(exp(x - max)))), each f32[R, 1]: log_softmax(x) = (x - max) - the second,
+    as jax.nn.log_softmax computes it, without writing the [R, V] array."""
+    x_max = jnp.max(logits, axis=-1, keepdims=True)
+    return x_max, jnp.log(jnp.sum(jnp.exp(logits - x_max), axis=-1, keepdims=True))
+
+
+def token_logprobs(logits: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """The raw model's log_softmax at `token_ids`: f32[R, V], i32[R] -> f32[R]."""
+    logits = logits.astype(jnp.float32)
+    x_max, log_sum = _log_softmax_terms(logits)
+    picked = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)  # f32[R, 1]
+    return ((picked - x_max) - log_sum)[:, 0]
 
 
 def _argmax(x: jax.Array) -> jax.Array:
@@ -315,18 +331,26 @@ def sample_path(md: SamplingMetadata) -> jax.Array:
     return jnp.where(uses_cutoff(md), 2, jnp.where(jnp.any(sampled), 1, 0))
 
 
-def sample_any(logits: jax.Array, md: SamplingMetadata, want_top_logprobs: jax.Array) -> SamplerOutput:
+# `sample_any`'s logprob_level: what the step's rows asked for
+NO_LOGPROBS, TOKEN_LOGPROBS, TOP_LOGPROBS = 0, 1, 2
+
+
+def sample_any(logits: jax.Array, md: SamplingMetadata, logprob_level: jax.Array) -> SamplerOutput:
     """`sample` with its fast path chosen on the device (`sample_path`, `lax.switch`), not by
-    recompiling; top logprobs (MAX_TOP_LOGPROBS of them) only when `want_top_logprobs` (bool[]).
-    One executable serves every mix of requests, so warm-up covers all traffic; a row's token is
-    the same whichever branch runs (the flags only skip work no row needs)."""
+    recompiling; the chosen tokens' logprobs only when `logprob_level` (i32[]) is at least
+    TOKEN_LOGPROBS (else zeros: at 64 rows the exponentials of the log-softmax cost more than
+    the greedy argmax), and top logprobs (MAX_TOP_LOGPROBS of them) at TOP_LOGPROBS. One
+    executable serves every mix of requests, so warm-up covers all traffic; a row's token is the
+    same whichever branch runs (the flags only skip work no row needs)."""
     branches = [
-        lambda l, m: sample(l, m, all_greedy=True)[:2],
-        lambda l, m: sample(l, m, needs_sort=False)[:2],
-        lambda l, m: sample(l, m, needs_sort=True)[:2],
+        lambda l, m: sample_token_ids(l, m, all_greedy=True),
+        lambda l, m: sample_token_ids(l, m, needs_sort=False),
+        lambda l, m: sample_token_ids(l, m, needs_sort=True),
     ]
-    token_ids, logprobs = jax.lax.switch(sample_path(md), branches, logits, md)
+    token_ids = jax.lax.switch(sample_path(md), branches, logits, md)
     num_rows = logits.shape[0]
+    logprobs = jax.lax.cond(logprob_level >= TOKEN_LOGPROBS, token_logprobs,
+                            lambda l, ids: jnp.zeros((num_rows,), jnp.float32), logits, token_ids)
 
     def top(l):
         vals, ids = jax.lax.top_k(jax.nn.log_softmax(l.astype(jnp.float32), axis=-1), MAX_TOP_LOGPROBS)
@@ -336,5 +360,5 @@ def sample_any(logits: jax.Array, md: SamplingMetadata, want_top_logprobs: jax.A
         return (jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.int32),
                 jnp.zeros((num_rows, MAX_TOP_LOGPROBS), jnp.float32))
 
-    top_ids, top_lps = jax.lax.cond(want_top_logprobs, top, no_top, logits)
+    top_ids, top_lps = jax.lax.cond(logprob_level >= TOP_LOGPROBS, top, no_top, logits)
     return SamplerOutput(token_ids, logprobs, top_ids, top_lps)

@@ -76,7 +76,7 @@ def unpack_step(buf: jax.Array, layout: PackedLayout) -> StepParts:
                      f.get("target_token_ids"), spec, draft)
 
 
-def _forward_and_sample(graphdef, state, kv_cache, parts: StepParts, want_top_logprobs,
+def _forward_and_sample(graphdef, state, kv_cache, parts: StepParts, logprob_level,
                         flags: StepFlags) -> tuple[jax.Array, SamplerOutput, KVCache]:
     """The target's forward over the batch, its logits at the sampled rows, and a sample.
     -> (logits f32[R, V], SamplerOutput, kv_cache)."""
@@ -85,7 +85,7 @@ def _forward_and_sample(graphdef, state, kv_cache, parts: StepParts, want_top_lo
                              attention_backend=flags.attention_backend,
                              mesh=flags.mesh)  # hidden: [T, H]
     logits = model.compute_logits(hidden[parts.logits_indices])  # f32[R, V]
-    out = sample_any(logits, parts.sampling, want_top_logprobs)
+    out = sample_any(logits, parts.sampling, logprob_level)
     targets = parts.target_token_ids  # i32[R] | None
     if targets is not None:  # prompt-logprob rows: the logprob of the given next prompt token
         picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[:, None], axis=-1)[:, 0]
@@ -99,26 +99,26 @@ def step_fn(
     state: nnx.State,
     kv_cache: KVCache,
     buf: jax.Array,  # i32[n] packed step inputs
-    want_top_logprobs: jax.Array,  # bool[] some row asked for top logprobs
+    logprob_level: jax.Array,  # i32[] what the sampler computes (sampler.NO_LOGPROBS ..)
     layout: PackedLayout,
     flags: StepFlags,
 ) -> tuple[SamplerOutput, KVCache]:
     parts = unpack_step(buf, layout)
     logits, out, kv_cache = _forward_and_sample(graphdef, state, kv_cache, parts,
-                                                want_top_logprobs, flags)
+                                                logprob_level, flags)
     if parts.spec is not None:  # speculative verification (n-gram drafts: q one-hot)
         out, _ = verify_drafts(logits, parts.sampling, out, parts.spec)
     return out, kv_cache
 
 
 def draft_step_fn(graphdef, draft_graphdef, state, kv_cache, draft_state, draft_kv, q_store, buf,
-                  want_top_logprobs, layout: PackedLayout, flags: StepFlags):
+                  logprob_level, layout: PackedLayout, flags: StepFlags):
     """`step_fn` plus a draft model: verify last step's drafts, run the draft over the batch and
     propose the next drafts, in one call. -> ((SamplerOutput, drafts i32[S, K]), kv_cache,
     draft_kv, q_store)."""
     parts = unpack_step(buf, layout)
     logits, out, kv_cache = _forward_and_sample(graphdef, state, kv_cache, parts,
-                                                want_top_logprobs, flags)
+                                                logprob_level, flags)
     num_accepted = jnp.zeros(parts.attention.kv_lens.shape, jnp.int32)  # i32[S]
     if parts.spec is not None:
         out, accepted = verify_drafts(logits, parts.sampling, out, parts.spec, q_store)
@@ -133,8 +133,8 @@ def draft_step_fn(graphdef, draft_graphdef, state, kv_cache, draft_state, draft_
 def make_jitted_step(graphdef: nnx.GraphDef):
     """jit with the KV cache donated (argument 1): it is updated in place, never copied."""
 
-    def fn(state, kv_cache, buf, want_top_logprobs, layout, flags):
-        return step_fn(graphdef, state, kv_cache, buf, want_top_logprobs, layout, flags)
+    def fn(state, kv_cache, buf, logprob_level, layout, flags):
+        return step_fn(graphdef, state, kv_cache, buf, logprob_level, layout, flags)
 
     return jax.jit(fn, donate_argnums=(1,), static_argnums=(4, 5))
 
@@ -142,8 +142,8 @@ def make_jitted_step(graphdef: nnx.GraphDef):
 def make_jitted_draft_step(graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef):
     """jit of `draft_step_fn` with both KV caches and the draft-probability store donated."""
 
-    def fn(state, kv_cache, draft_state, draft_kv, q_store, buf, want_top_logprobs, layout, flags):
+    def fn(state, kv_cache, draft_state, draft_kv, q_store, buf, logprob_level, layout, flags):
         return draft_step_fn(graphdef, draft_graphdef, state, kv_cache, draft_state, draft_kv,
-                             q_store, buf, want_top_logprobs, layout, flags)
+                             q_store, buf, logprob_level, layout, flags)
 
     return jax.jit(fn, donate_argnums=(1, 3, 4), static_argnums=(7, 8))
