@@ -1,7 +1,7 @@
 """Do interactive requests keep their latency while a batch runs on the same server?
 
     python benchmarks/batch_interactive.py [MODEL] [--interactive 16] [--batch-lines 128]
-                                           [--policies fcfs] [--shares 4:64,64:512]
+                                           [--policies fcfs] [--shares 1:16,64:512]
                                            [-- extra `jaxinfer serve` flags]
 
 MODEL defaults to the server's default (smollm2-135m). For each scheduling policy in --policies and
@@ -25,7 +25,7 @@ file's completion tokens / duration).
 Batch lines run in the background under either policy (`service_tier` "flex"): behind every
 interactive request in the queue, preempted first, and, while an interactive request is in the
 engine, in at most S sequences and T tokens of a step (the share); at most --batch-max-in-flight
-(64) of them are in the engine at once. The default shares compare the engine's default (4:64)
+(64) of them are in the engine at once. The default shares compare the engine's default (1:16)
 with a share as large as the whole step (64:512: the batch then slows every step as much as it
 likes, which is how the server behaved before it had background requests). Each server start
 takes 1-3 minutes on a 2-core CPU. Prints one markdown table: setting, phase, TTFT p50 / p99,
@@ -169,7 +169,7 @@ def main() -> int:
     p.add_argument("--batch-max-tokens", type=int, default=64)
     p.add_argument("--policies", default="fcfs",
                    help="scheduling policies, one server each (e.g. priority,fcfs)")
-    p.add_argument("--shares", default="4:64,64:512",
+    p.add_argument("--shares", default="1:16,64:512",
                    help="background shares SEQS:TOKENS, one server each per policy")
     p.add_argument("--ready-timeout", type=float, default=3600.0)
     args, extra = parse_with_server_flags(p)

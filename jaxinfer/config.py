@@ -227,10 +227,10 @@ class EngineConfig:
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     # sequences of a step that background requests (batch lines, service_tier "flex") may use
     # while interactive requests are in the engine (with none, they may use them all)
-    background_max_num_seqs: int = 4
+    background_max_num_seqs: int = 1
     # tokens of a step that background requests may use while interactive requests are in the
     # engine (their prompts then go in chunks this small)
-    background_max_num_batched_tokens: int = 64
+    background_max_num_batched_tokens: int = 16
     # seconds the background share stays capped after the last interactive request left
     background_linger_s: float = 1.0
     # weights: none: every weight in dtype; auto: as none, and on a CPU a GGUF file's Q8_0/Q4_0/
