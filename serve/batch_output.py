@@ -3,7 +3,8 @@
 Each answer is appended as one line and flushed to the OS the moment its request finishes, so a
 killed process loses no finished line, and the file is in completion order, not input order.
 os.fsync runs at most `sync_interval_s` after a write (the job calls `sync_due` on a timer) and
-when the file is closed, which bounds what a crash of the machine can lose. While a job has the
+when the file is closed, which bounds what a crash of the machine can lose; the first fsync of a
+file the job created also fsyncs its folder, so the file's name survives such a crash too. While a job has the
 file open it holds an exclusive lock on it (flock), so two jobs never append to the same file.
 
 Opening the file reads the answers already there, which a rerun skips. Every line must be a
@@ -30,6 +31,7 @@ class ResultFile:
     def __init__(self, path: str, *, sync_interval_s: float = 1.0):
         self.path = path
         self.sync_interval_s = sync_interval_s
+        self._dir_synced = os.path.exists(path)  # a new file's folder entry is fsynced once
         try:
             self._f = open(path, "ab")  # noqa: SIM115 - open while the job runs
         except IsADirectoryError:
@@ -65,6 +67,9 @@ class ResultFile:
         if self._dirty:
             os.fsync(self._f.fileno())
             self._dirty = False
+        if not self._dir_synced:
+            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            self._dir_synced = True
         self._last_sync = time.monotonic()
 
     def close(self) -> None:
@@ -114,3 +119,11 @@ def _recover(path: str, fd: int) -> tuple[dict[str, bool], int]:
 
 
 _TORN = object()  # a line that is not JSON
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import os
 
 import pytest
 
@@ -168,8 +169,11 @@ def test_output_usage_errors(tmp_path):
 
 
 def test_fsync_at_most_every_interval_and_at_close(tmp_path, monkeypatch):
-    synced = []
-    monkeypatch.setattr(batch_output.os, "fsync", lambda fd: synced.append(fd))
+    import stat
+
+    synced, folders = [], []  # fsyncs of the file, of its folder
+    monkeypatch.setattr(batch_output.os, "fsync", lambda fd: (
+        folders if stat.S_ISDIR(os.fstat(fd).st_mode) else synced).append(fd))
     now = [100.0]
     monkeypatch.setattr(batch_output.time, "monotonic", lambda: now[0])
     out = ResultFile(str(tmp_path / "out.jsonl"), sync_interval_s=1.0)
@@ -180,7 +184,7 @@ def test_fsync_at_most_every_interval_and_at_close(tmp_path, monkeypatch):
     assert synced == []
     now[0] += 1.0
     out.sync_due()  # a line written, the last fsync 1 s old
-    assert len(synced) == 1
+    assert len(synced) == 1 and len(folders) == 1  # a new file: its folder entry too, once
     now[0] += 5.0
     out.sync_due()  # nothing new written: no fsync
     assert len(synced) == 1
@@ -188,4 +192,8 @@ def test_fsync_at_most_every_interval_and_at_close(tmp_path, monkeypatch):
     assert len(synced) == 2
     out.write(ROW_A | {"custom_id": "d"})
     out.close()  # the last line is synced on close
-    assert len(synced) == 3
+    assert len(synced) == 3 and len(folders) == 1
+    again = ResultFile(str(tmp_path / "out.jsonl"))  # the file exists: its folder is not synced
+    again.write(ROW_A | {"custom_id": "e"})
+    again.close()
+    assert len(synced) == 4 and len(folders) == 1
