@@ -22,6 +22,7 @@ import time
 from typing import Self
 
 from serve.batch_rows import is_failure, is_result_row
+from serve.store import sync_dir
 
 
 class ResultFile:
@@ -68,7 +69,7 @@ class ResultFile:
             os.fsync(self._f.fileno())
             self._dirty = False
         if not self._dir_synced:
-            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            sync_dir(os.path.dirname(os.path.abspath(self.path)))
             self._dir_synced = True
         self._last_sync = time.monotonic()
 
@@ -120,10 +121,3 @@ def _recover(path: str, fd: int) -> tuple[dict[str, bool], int]:
 
 _TORN = object()  # a line that is not JSON
 
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -58,7 +58,7 @@ class Store:
         with open(temp_path, "rb") as f:
             os.fsync(f.fileno())
         os.replace(temp_path, self.file_path(obj["id"]))
-        _sync_dir(self.files_dir)
+        sync_dir(self.files_dir)
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?)",
                              (obj["id"], obj["created_at"], obj["bytes"], json.dumps(obj)))
@@ -110,7 +110,8 @@ class Store:
         return [json.loads(r[0]) for r in rows]
 
 
-def _sync_dir(path: str) -> None:
+def sync_dir(path: str) -> None:
+    """fsyncs the folder `path`: a file created or renamed in it keeps its name after a crash."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
