@@ -25,7 +25,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -281,6 +281,198 @@ PageBlockFn ChoosePageBlock(int64_t page_size, int64_t head_dim) {
   return &PageBlock<0, 0>;
 }
 
+#if defined(__AVX512F__)
+// Decode items (one token: the G query heads of a KV head, G <= 4) with page size 16 and
+// head_dim 64 take a path in AVX-512 registers. The G rows' accumulators ([G, 64] floats: 4G
+// vectors) stay in registers over the whole context, and the context is walked kPages pages (64
+// keys) per online-softmax update: the scores of a block are G x kPages independent vector FMA
+// chains over D (one page's 16 keys per vector), then one max, one rescale and one sum per row
+// per block instead of per page. Halves are widened as they are loaded (no buffer).
+
+inline __m512 Exp512(__m512 x) {  // exp_approx on 16 lanes
+  const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 fx = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~zero), y, _mm512_castsi512_ps(e));
+}
+
+inline __m512 Tanh512(__m512 x) {  // tanh_approx on 16 lanes
+  const __m512 a = _mm512_min_ps(_mm512_abs_ps(x), _mm512_set1_ps(9.0f));
+  const __m512 e = Exp512(_mm512_add_ps(a, a));
+  const __m512 t = _mm512_sub_ps(
+      _mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+  const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  return _mm512_mask_sub_ps(t, neg, _mm512_setzero_ps(), t);
+}
+
+// 16 cache values as f32: KIND 0 float32, 1 float16, 2 bfloat16.
+template <int KIND>
+inline __m512 Load16(const void* src) {
+  if constexpr (KIND == 0) {
+    return _mm512_loadu_ps(src);
+  } else if constexpr (KIND == 1) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(src)));
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(src))), 16));
+  }
+}
+
+alignas(64) const float kZeroPage[16 * 64] = {};  // stands in for pages past the context
+
+template <int G, int KIND>
+void DecodeItem(const Problem& p, const WorkItem& w) {
+  constexpr int PS = 16, D = 64, C = D / 16, kPages = 4;
+  constexpr int64_t kEsize = KIND == 0 ? 4 : 2;
+  const int32_t q_start = p.cu_q_lens[w.seq];
+  const int32_t q_len = p.cu_q_lens[w.seq + 1] - q_start;
+  const int64_t pos = p.kv_lens[w.seq] - q_len + w.first_token;  // the token's position
+  const int64_t k_hi = pos + 1;  // visible keys [k_lo, k_hi)
+  const int64_t k_lo =
+      p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
+  const int64_t token = q_start + w.first_token;
+  alignas(64) float q[G][D];
+  for (int g = 0; g < G; ++g) {
+    const float* src = p.q + (token * p.num_q_heads + w.head * G + g) * D;
+    for (int d = 0; d < D; ++d) q[g][d] = src[d] * p.sm_scale;
+  }
+  __m512 acc[G][C];
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+  }
+  const char* kbase = static_cast<const char*>(p.k.data);
+  const char* vbase = static_cast<const char*>(p.v.data);
+  const int64_t block_bytes = D * PS * kEsize;
+  const int64_t layer_block = p.layer * p.k.num_pages;
+  const int32_t* pages = p.page_indices + static_cast<int64_t>(w.seq) * p.pages_per_seq;
+  alignas(64) char vtail[PS * D * 4];  // the last page's V, zeros past the context
+  alignas(64) float probs[G][kPages * PS];
+  const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+  for (int64_t pg0 = k_lo / PS; pg0 * PS < k_hi; pg0 += kPages) {
+    const char* kp[kPages];
+    const char* vp[kPages];
+    __mmask16 mask[kPages];
+    int used = 0;
+    for (int j = 0; j < kPages; ++j) {
+      const int64_t t0 = (pg0 + j) * PS;
+      if (t0 >= k_hi) {
+        kp[j] = vp[j] = reinterpret_cast<const char*>(kZeroPage);
+        mask[j] = 0;
+        continue;
+      }
+      used = j + 1;
+      const int64_t block = (layer_block + pages[pg0 + j]) * p.k.num_kv_heads + w.head;
+      kp[j] = kbase + block * block_bytes;
+      vp[j] = vbase + block * block_bytes;
+      const int lo = static_cast<int>(std::max<int64_t>(0, k_lo - t0));
+      const int hi = static_cast<int>(std::min<int64_t>(PS, k_hi - t0));
+      mask[j] = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
+      if (hi < PS) {  // slots past the context may hold anything (NaN): zeros in a copy
+        std::memcpy(vtail, vp[j], hi * D * kEsize);
+        std::memset(vtail + hi * D * kEsize, 0, (PS - hi) * D * kEsize);
+        vp[j] = vtail;
+      }
+    }
+    __m512 s[G][kPages];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < kPages; ++j) s[g][j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+      __m512 kv[kPages];
+      for (int j = 0; j < kPages; ++j) kv[j] = Load16<KIND>(kp[j] + d * PS * kEsize);
+      for (int g = 0; g < G; ++g) {
+        const __m512 qd = _mm512_set1_ps(q[g][d]);
+        for (int j = 0; j < kPages; ++j) s[g][j] = _mm512_fmadd_ps(qd, kv[j], s[g][j]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      __m512 mx = neg_inf;
+      for (int j = 0; j < kPages; ++j) {
+        __m512 x = s[g][j];
+        if (p.soft_cap > 0.0f) {
+          const __m512 cap = _mm512_set1_ps(p.soft_cap);
+          x = _mm512_mul_ps(cap, Tanh512(_mm512_div_ps(x, cap)));
+        }
+        x = _mm512_mask_blend_ps(mask[j], neg_inf, x);
+        s[g][j] = x;
+        mx = _mm512_max_ps(mx, x);
+      }
+      const float m_new = std::max(m[g], _mm512_reduce_max_ps(mx));  // finite: a key is visible
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < kPages; ++j) {
+        const __m512 e = Exp512(_mm512_sub_ps(s[g][j], mv));
+        _mm512_store_ps(probs[g] + j * PS, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      const float alpha = exp_approx(m[g] - m_new);  // 0 while m is -inf
+      l[g] = l[g] * alpha + _mm512_reduce_add_ps(sum);
+      m[g] = m_new;
+      const __m512 av = _mm512_set1_ps(alpha);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], av);
+    }
+    for (int j = 0; j < used; ++j) {
+      for (int t = 0; t < PS; ++t) {
+        const char* vrow = vp[j] + t * D * kEsize;
+        __m512 v[C];
+        for (int c = 0; c < C; ++c) v[c] = Load16<KIND>(vrow + c * 16 * kEsize);
+        for (int g = 0; g < G; ++g) {
+          const __m512 e = _mm512_set1_ps(probs[g][j * PS + t]);
+          for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(e, v[c], acc[g][c]);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* dst = p.out + (token * p.num_q_heads + w.head * G + g) * D;
+    const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+  }
+}
+
+using DecodeFn = void (*)(const Problem&, const WorkItem&);
+
+// The decode path for this problem, or nullptr where it does not apply.
+DecodeFn ChooseDecode(const Problem& p) {
+  if (p.page_size != 16 || p.head_dim != 64 || p.group < 1 || p.group > 4) return nullptr;
+  int kind;
+  switch (p.k.dtype) {
+    case ffi::DataType::F32: kind = 0; break;
+    case ffi::DataType::F16: kind = 1; break;
+    case ffi::DataType::BF16: kind = 2; break;
+    default: return nullptr;
+  }
+#define JAXINFER_CASE(G)                                    \
+  if (p.group == G) {                                       \
+    if (kind == 0) return &DecodeItem<G, 0>;                \
+    if (kind == 1) return &DecodeItem<G, 1>;                \
+    return &DecodeItem<G, 2>;                               \
+  }
+  JAXINFER_CASE(1) JAXINFER_CASE(2) JAXINFER_CASE(3) JAXINFER_CASE(4)
+#undef JAXINFER_CASE
+  return nullptr;
+}
+#else
+using DecodeFn = void (*)(const Problem&, const WorkItem&);
+DecodeFn ChooseDecode(const Problem&) { return nullptr; }
+#endif
+
 // One work item: rows = its tokens x the query heads of KV head `head`, token-major (row
 // i * G + g is token i, query head g), so rows are in position order.
 void RunItem(const Problem& p, const WorkItem& w, PageBlockFn block, std::vector<float>& scratch) {
@@ -416,7 +608,9 @@ ffi::Error RaggedPagedAttentionImpl(
   const int64_t row = num_q_heads * head_dim;
   std::fill(p.out + static_cast<int64_t>(real_tokens) * row, p.out + num_tokens * row, 0.0f);
   const PageBlockFn block = ChoosePageBlock(p.page_size, p.head_dim);
+  const DecodeFn decode = ChooseDecode(p);
   jaxinfer::ParallelFor(pool, static_cast<int64_t>(items.size()), work, [&](int64_t i) {
+    if (decode != nullptr && items[i].num_tokens == 1) return decode(p, items[i]);
     thread_local std::vector<float> scratch;
     RunItem(p, items[i], block, scratch);
   });

@@ -81,6 +81,27 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
     assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (37, None), (None, 2.0),
+                                                     (70, 5.0), (1, None)])
+def test_decode_blocks(group, dtype, sliding_window, soft_cap):
+    """Decode rows at page size 16, head_dim 64, GQA groups up to 4 (the register path, several
+    pages per softmax update): contexts that end inside a page, on a page boundary, inside and
+    past a block of pages, with a window that starts inside one; a 33-token prefill's last
+    block is one token too."""
+    kv_lens = [1, 15, 16, 17, 63, 64, 65, 130, 200, 333, 40]
+    q_lens = [1] * 10 + [33]
+    batch = make_paged_batch(12, q_lens=q_lens, kv_lens=kv_lens, page_size=16, head_dim=64,
+                             num_kv_heads=2, group=group, num_seqs_pad=12, num_tokens_pad=48)
+    k, v = batch.k_cache.astype(dtype), batch.v_cache.astype(dtype)
+    out = run(batch._replace(k_cache=k, v_cache=v), sliding_window=sliding_window,
+              soft_cap=soft_cap)
+    ref = ragged_paged_attention_reference(batch.q, k, v, LAYER, *layout(batch), sm_scale=0.125,
+                                           sliding_window=sliding_window, soft_cap=soft_cap)
+    assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_precision_caches(dtype):
     """16-bit caches are widened exactly: equal to the reference on the same 16-bit pages."""

@@ -1,0 +1,122 @@
+"""The CPU attention kernel on decode steps: 30 layers of SmolLM2-135M's attention in one call.
+
+    JAX_PLATFORMS=cpu python benchmarks/cpu_attention.py                   # 16 x 512, f16 and f32
+    JAX_PLATFORMS=cpu python benchmarks/cpu_attention.py --shapes 16x512,64x512 --dtypes float16
+    git show REV:cpu_kernels/ragged_paged_attention.cc > /tmp/old.cc
+    JAX_PLATFORMS=cpu python benchmarks/cpu_attention.py --against /tmp/old.cc
+
+One jitted call runs the kernel on one decode token of each of S sequences with C tokens of
+context, for each of SmolLM2-135M's 30 layers (9 query heads, 3 KV heads, head_dim 64, page size
+16), each layer's output feeding the next layer's queries so that XLA cannot overlap them. The
+pages of the sequences are a random permutation of the pool (as a long-running engine's are).
+With --against, the kernel built from another source file runs too, interleaved round after
+round with this checkout's, the best round of each kept, so load from other users of a shared
+machine hits both alike. GB/s counts the K and V bytes the call reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from cpu_kernels import build  # noqa: E402
+
+LAYERS, HQ, HKV, D, PS = 30, 9, 3, 64, 16
+SYMBOL = "JaxinferRaggedPagedAttention"
+
+
+def target_from(source: Path, tag: str) -> str:
+    """Compile `source` (a version of ragged_paged_attention.cc) and register it as a target."""
+    compiler = build._compiler()
+    key = build._binary_key(source.read_bytes(), compiler)
+    lib_path = build.cache_dir() / f"ragged_paged_attention-{tag}-{key}.so"
+    if not lib_path.is_file():
+        build._compile(source, lib_path, compiler)
+    lib = ctypes.cdll.LoadLibrary(str(lib_path))
+    name = f"ragged_paged_attention_{tag}.{SYMBOL}"
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+    return name
+
+
+def layers_fn(target: str):
+    """30 layers' decode attention in one jitted call, layer l's output the queries of l + 1."""
+    def run(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs):
+        dummy = jnp.zeros((1,), jnp.float32)
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+        for layer in range(LAYERS):
+            q = call(q, k, v, dummy, dummy, jnp.full((1,), layer, jnp.int32), kv_lens,
+                     page_indices, cu_q_lens, num_seqs, sm_scale=np.float32(D ** -0.5),
+                     sliding_window=np.int64(0), soft_cap=np.float32(0.0)) + 0.01
+        return q
+    return jax.jit(run)
+
+
+def decode_batch(seqs: int, context: int, dtype, rng):
+    pages = -(-context // PS)
+    num_pages = 1 + seqs * pages
+    k = rng.standard_normal((LAYERS, num_pages, HKV, D, PS), np.float32).astype(dtype)
+    v = rng.standard_normal((LAYERS, num_pages, HKV, PS, D), np.float32).astype(dtype)
+    page_indices = rng.permutation(np.arange(1, num_pages)).reshape(seqs, pages).astype(np.int32)
+    kv_lens = np.full(seqs, context, np.int32)
+    cu_q_lens = np.arange(seqs + 1, dtype=np.int32)
+    q = rng.standard_normal((seqs, HQ, D)).astype(np.float32)
+    nbytes = 2 * LAYERS * seqs * context * HKV * D * np.dtype(dtype).itemsize
+    arrays = (q, k, v, kv_lens, page_indices, cu_q_lens, np.array([seqs], np.int32))
+    return tuple(jnp.asarray(a) for a in arrays), nbytes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="16x512", help="SEQSxCONTEXT,...")
+    ap.add_argument("--dtypes", default="float16,float32")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--against", type=Path, help="another version of the kernel's source")
+    args = ap.parse_args(argv)
+    if build.load("ragged_paged_attention", SYMBOL) is None:
+        print("the CPU kernels are not available here")
+        return 1
+    kernels = {"this": layers_fn(f"ragged_paged_attention.{SYMBOL}")}
+    if args.against:
+        kernels["against"] = layers_fn(target_from(args.against, "against"))
+    rng = np.random.default_rng(0)
+    print(f"30 layers of decode attention, one jitted call ({os.cpu_count()} cores; best of "
+          f"{args.rounds} rounds, interleaved)")
+    head = "| seqs | context | cache | ms | GB/s |"
+    if args.against:
+        head += f" {args.against.name}, ms | {args.against.name} / this |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for shape in args.shapes.split(","):
+        seqs, context = (int(x) for x in shape.split("x"))
+        for dtype in args.dtypes.split(","):
+            batch, nbytes = decode_batch(seqs, context, np.dtype(dtype), rng)
+            best = {name: float("inf") for name in kernels}
+            outs = {name: fn(*batch).block_until_ready() for name, fn in kernels.items()}
+            if args.against:
+                diff = float(jnp.max(jnp.abs(outs["this"] - outs["against"])))
+                assert diff < 1e-3, f"the two kernels disagree by {diff}"
+            for _ in range(args.rounds):
+                for name, fn in kernels.items():
+                    t0 = time.perf_counter()
+                    fn(*batch).block_until_ready()
+                    best[name] = min(best[name], time.perf_counter() - t0)
+            ms = best["this"] * 1e3
+            line = f"| {seqs} | {context} | {dtype} | {ms:.2f} | {nbytes / best['this'] / 1e9:.1f} |"
+            if args.against:
+                line += f" {best['against'] * 1e3:.2f} | {best['against'] / best['this']:.2f}x |"
+            print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
