@@ -390,10 +390,23 @@ void DecodeItem(const Problem& p, const WorkItem& w) {
         vp[j] = vtail;
       }
     }
+    // The next block's pages, fetched while this one is computed (one line of each K and V
+    // block per step of d: a page's blocks are 32 lines in halves, 64 in f32).
+    const char* next[2 * kPages];
+    int num_next = 0;
+    for (int j = 0; j < kPages; ++j) {
+      const int64_t pg = pg0 + kPages + j;
+      if (pg * PS >= k_hi) break;
+      const int64_t block = (layer_block + pages[pg]) * p.k.num_kv_heads + w.head;
+      next[num_next++] = kbase + block * block_bytes;
+      next[num_next++] = vbase + block * block_bytes;
+    }
     __m512 s[G][kPages];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < kPages; ++j) s[g][j] = _mm512_setzero_ps();
     for (int d = 0; d < D; ++d) {
+      if (d * 64 < block_bytes)
+        for (int j = 0; j < num_next; ++j) _mm_prefetch(next[j] + d * 64, _MM_HINT_T0);
       __m512 kv[kPages];
       for (int j = 0; j < kPages; ++j) kv[j] = Load16<KIND>(kp[j] + d * PS * kEsize);
       for (int g = 0; g < G; ++g) {
