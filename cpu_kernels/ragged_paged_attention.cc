@@ -335,7 +335,7 @@ inline __m512 Load16(const void* src) {
 alignas(64) const float kZeroPage[16 * 64] = {};  // stands in for pages past the context
 
 template <int G, int KIND>
-void DecodeItem(const Problem& p, const WorkItem& w) {
+void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
   constexpr int PS = 16, D = 64, C = D / 16, kPages = 4;
   constexpr int64_t kEsize = KIND == 0 ? 4 : 2;
   const int32_t q_start = p.cu_q_lens[w.seq];
@@ -401,6 +401,19 @@ void DecodeItem(const Problem& p, const WorkItem& w) {
       next[num_next++] = kbase + block * block_bytes;
       next[num_next++] = vbase + block * block_bytes;
     }
+    if (num_next == 0 && later != nullptr) {  // the last block: the next item's first one
+      const int32_t later_q_len = p.cu_q_lens[later->seq + 1] - p.cu_q_lens[later->seq];
+      const int64_t later_pos = p.kv_lens[later->seq] - later_q_len + later->first_token;
+      const int64_t later_lo =
+          p.sliding_window > 0 ? std::max<int64_t>(0, later_pos - p.sliding_window + 1) : 0;
+      const int32_t* later_pages =
+          p.page_indices + static_cast<int64_t>(later->seq) * p.pages_per_seq;
+      for (int64_t pg = later_lo / PS; pg * PS <= later_pos && num_next < 2 * kPages; ++pg) {
+        const int64_t block = (layer_block + later_pages[pg]) * p.k.num_kv_heads + later->head;
+        next[num_next++] = kbase + block * block_bytes;
+        next[num_next++] = vbase + block * block_bytes;
+      }
+    }
     __m512 s[G][kPages];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < kPages; ++j) s[g][j] = _mm512_setzero_ps();
@@ -459,7 +472,7 @@ void DecodeItem(const Problem& p, const WorkItem& w) {
   }
 }
 
-using DecodeFn = void (*)(const Problem&, const WorkItem&);
+using DecodeFn = void (*)(const Problem&, const WorkItem&, const WorkItem*);
 
 // The decode path for this problem, or nullptr where it does not apply.
 DecodeFn ChooseDecode(const Problem& p) {
@@ -482,7 +495,7 @@ DecodeFn ChooseDecode(const Problem& p) {
   return nullptr;
 }
 #else
-using DecodeFn = void (*)(const Problem&, const WorkItem&);
+using DecodeFn = void (*)(const Problem&, const WorkItem&, const WorkItem*);
 DecodeFn ChooseDecode(const Problem&) { return nullptr; }
 #endif
 
@@ -622,8 +635,15 @@ ffi::Error RaggedPagedAttentionImpl(
   std::fill(p.out + static_cast<int64_t>(real_tokens) * row, p.out + num_tokens * row, 0.0f);
   const PageBlockFn block = ChoosePageBlock(p.page_size, p.head_dim);
   const DecodeFn decode = ChooseDecode(p);
-  jaxinfer::ParallelFor(pool, static_cast<int64_t>(items.size()), work, [&](int64_t i) {
-    if (decode != nullptr && items[i].num_tokens == 1) return decode(p, items[i]);
+  // A thread's next item is about `threads` further on (items are taken in order): the decode
+  // path fetches its first pages while it finishes this one.
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t ahead = std::max<int64_t>(1, pool.num_threads());
+  jaxinfer::ParallelFor(pool, num_items, work, [&](int64_t i) {
+    if (decode != nullptr && items[i].num_tokens == 1) {
+      const WorkItem* later = i + ahead < num_items ? &items[i + ahead] : nullptr;
+      return decode(p, items[i], later);
+    }
     thread_local std::vector<float> scratch;
     RunItem(p, items[i], block, scratch);
   });
