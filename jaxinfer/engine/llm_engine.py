@@ -163,8 +163,8 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         priority: int = 0,
-        arrival_time: float | None = None,
         background: bool = False,
+        arrival_time: float | None = None,
     ) -> None:
         """Queues a request; ValueError naming the problem for one that cannot run. `priority`:
         lower first under the "priority" policy; `background`: the request yields to the others

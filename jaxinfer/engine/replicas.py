@@ -91,7 +91,7 @@ class ReplicatedEngine:
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None, background: bool = False) -> None:
+                    background: bool = False, arrival_time: float | None = None) -> None:
         if request_id in self._owner:
             raise ValueError(f"request_id={request_id!r} is already in use")
         token_ids = None

@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from jaxinfer import disk_cache
 from serve import cli
 
 
@@ -19,7 +20,7 @@ def test_defaults_bind_loopback_only():
     args = parse()
     assert args.host == "127.0.0.1" and args.port == 8000 and args.model == cli.DEFAULT_MODEL
     assert args.api_key is None and not args.no_compilation_cache
-    assert args.compilation_cache_dir.endswith("jaxinfer/jax")
+    assert args.compilation_cache_dir == str(disk_cache.cache_root() / "jax")
 
 
 def test_api_key_from_flag_or_env(monkeypatch):
