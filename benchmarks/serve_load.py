@@ -26,13 +26,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from startup import (  # noqa: E402
-    free_port,
-    parse_with_server_flags,
-    start_server,
-    stop_server,
-    wait_ready,
-)
+from startup import parse_with_server_flags, served  # noqa: E402
 
 WORDS = ("time year people way day man thing woman life child world school state family student "
          "group country problem hand part place case week company system program question work "
@@ -160,28 +154,13 @@ def main() -> int:
     p.add_argument("--api-key", default=os.environ.get("JAXINFER_API_KEY"))
     p.add_argument("--ready-timeout", type=float, default=3600.0)
     args, extra = parse_with_server_flags(p)
-    proc = None
-    url = args.url
-    if url is None:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log_path = f"/tmp/jaxinfer-serve-load-{port}.log"
-        print(f"starting jaxinfer serve {args.model} {' '.join(extra)} (log: {log_path})")
-        proc = start_server(args.model, port, extra, log_path=log_path,
-                            env={"JAXINFER_API_KEY": args.api_key} if args.api_key else None)
-    try:
-        t_ready = wait_ready(url, proc, args.ready_timeout)
-        if proc is not None:
-            print(f"ready after {t_ready:.1f} s")
+    with served(args, extra, "serve-load") as url:
         model = served_model(url)
         asyncio.run(warm_up(url, model, args.api_key))
         compiled_before = compilations(url, args.api_key)
         stats, elapsed = asyncio.run(run_load(url, model, args.clients, args.duration,
                                               args.max_tokens, args.prompt_words, args.api_key))
         compiled_after = compilations(url, args.api_key)
-    finally:
-        if proc is not None:
-            stop_server(proc)
     num_errors = sum(stats.errors.values())
     print(f"\n{args.clients} streaming clients, {args.duration:.0f} s (+ drain: {elapsed:.1f} s "
           f"total), {args.max_tokens} output tokens each, {args.prompt_words}-word prompts")

@@ -14,6 +14,7 @@ own start; how many executables were compiled and how many loaded; the ratio col
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -58,6 +59,28 @@ def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float) -> float
             pass
         time.sleep(0.05)
     raise TimeoutError(f"{url}/health not ready after {timeout:.0f} s")
+
+
+@contextlib.contextmanager
+def served(args: argparse.Namespace, extra: list[str], name: str):
+    """The URL of the server to measure: `args.url` as given, or a `jaxinfer serve args.model`
+    with the `extra` flags started here (log in the temporary folder, `args.api_key` passed on),
+    ready before it is yielded and stopped after."""
+    if args.url is not None:
+        wait_ready(args.url, None, args.ready_timeout)
+        yield args.url
+        return
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = os.path.join(tempfile.gettempdir(), f"jaxinfer-{name}-{port}.log")
+    print(f"starting jaxinfer serve {args.model} {' '.join(extra)} (log: {log_path})")
+    proc = start_server(args.model, port, extra, log_path=log_path,
+                        env={"JAXINFER_API_KEY": args.api_key} if args.api_key else None)
+    try:
+        print(f"ready after {wait_ready(url, proc, args.ready_timeout):.1f} s")
+        yield url
+    finally:
+        stop_server(proc)
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:

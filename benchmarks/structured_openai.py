@@ -46,13 +46,7 @@ import time
 from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from startup import (  # noqa: E402
-    free_port,
-    parse_with_server_flags,
-    start_server,
-    stop_server,
-    wait_ready,
-)
+from startup import parse_with_server_flags, served  # noqa: E402
 
 
 # -- the constraints -------------------------------------------------------------------------
@@ -429,23 +423,9 @@ def main() -> int:
     p.add_argument("--ready-timeout", type=float, default=3600.0)
     args, extra = parse_with_server_flags(p)
     specs = make_specs(args.num_requests, args.seed)
-    proc, url = None, args.url
-    if url is None:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log_path = f"/tmp/jaxinfer-structured-openai-{port}.log"
-        print(f"starting jaxinfer serve {args.model} {' '.join(extra)} (log: {log_path})")
-        proc = start_server(args.model, port, extra, log_path=log_path,
-                            env={"JAXINFER_API_KEY": args.api_key} if args.api_key else None)
-    try:
-        t_ready = wait_ready(url, proc, args.ready_timeout)
-        if proc is not None:
-            print(f"ready after {t_ready:.1f} s")
+    with served(args, extra, "structured-openai") as url:
         results, wall = asyncio.run(run(url, None, specs, args.concurrency, args.max_tokens,
                                         args.api_key or "none"))
-    finally:
-        if proc is not None:
-            stop_server(proc)
     return report(results, wall, args)
 
 
