@@ -106,7 +106,9 @@ def check_tp_hlo(model_dir: str, **engine_kwargs) -> None:
     """The compiled tp=2 decode step: the attention kernel (C++ custom call) runs on each
     device's own heads, 2 all-reduces of the activations per layer (after o_proj and down_proj;
     one more for the vocabulary-sharded embedding lookup), and no collective moves a weight
-    matrix or the KV cache (only activations and the sampler's logits)."""
+    matrix or the KV cache (only activations and the sampler's logits). With quantized weights
+    the C++ quantized matmul runs on each device's share of every layer: x and codes of local
+    shapes (`_check_quant_calls`)."""
     import re
 
     import jax
@@ -123,28 +125,60 @@ def check_tp_hlo(model_dir: str, **engine_kwargs) -> None:
                                       buckets=engine.buckets)))  # the smallest (decode) bucket
     compiled, _ = runner._prepare(si)  # the step's executable for this bucket, as execute runs it
     hlo = compiled.as_text()
-    ops = []  # (op, result shape dims, custom-call target)
+    shapes = {}  # instruction name -> result dims
+    ops = []  # (op, result shape dims, custom-call target, operand names)
     for line in hlo.splitlines():
+        d = re.match(r"\s*(?:ROOT )?(%\S+) = \w+\[([\d,]*)\]", line)
+        if d:
+            shapes[d.group(1)] = tuple(int(v) for v in d.group(2).split(",") if v)
         m = re.search(r"= \w+\[([\d,]*)\]\S* (all-reduce|all-gather|all-to-all|"
-                      r"collective-permute|reduce-scatter|custom-call)(?:-start)?\(", line)
+                      r"collective-permute|reduce-scatter|custom-call)(?:-start)?\(([^)]*)\)", line)
         if m:
             target = re.search(r'custom_call_target="([^"]+)"', line)
             dims = tuple(int(d) for d in m.group(1).split(",") if d)
-            ops.append((m.group(2), dims, target.group(1) if target else ""))
+            operands = re.findall(r"%[\w.\-]+", m.group(3))
+            ops.append((m.group(2), dims, target.group(1) if target else "", operands))
     num_tokens = si.shape[0]
     if runner.attention_backend == "cpu":
-        kernels = [dims for op, dims, target in ops if "RaggedPagedAttention" in target]
+        kernels = [dims for op, dims, target, _ in ops if "RaggedPagedAttention" in target]
         local = (num_tokens, mc.num_heads // 2, mc.head_dim)  # one device's query heads
         assert kernels == [local] * mc.num_layers, (kernels, local)
-    reduces = [dims for op, dims, _ in ops if op == "all-reduce"
+    quant = [(shapes[args[0]], shapes[args[1]], dims) for op, dims, target, args in ops
+             if "QuantMatmul" in target]
+    if engine_kwargs.get("quantization") or quant:
+        _check_quant_calls(quant, engine)
+    reduces = [dims for op, dims, _, _ in ops if op == "all-reduce"
                and int(np.prod(dims)) == num_tokens * mc.hidden_size]
     assert len(reduces) == 2 * mc.num_layers + 1, reduces
-    smallest_weight = min(leaf.size for leaf in jax.tree.leaves(runner.state) if leaf.ndim >= 2)
-    moved = [(op, dims) for op, dims, _ in ops if op != "custom-call"]
-    big = [(op, dims) for op, dims in moved if int(np.prod(dims)) >= smallest_weight]
+    matrices = [leaf.size for path, leaf in jax.tree_util.tree_leaves_with_path(runner.state)
+                if leaf.ndim >= 2 and "scales" not in str(path) and "mins" not in str(path)]
+    moved = [(op, dims) for op, dims, _, _ in ops if op != "custom-call"]
+    big = [(op, dims) for op, dims in moved if int(np.prod(dims)) >= min(matrices)]
     assert not big, big  # a gathered weight or KV cache would be at least this large
     print("ok tp hlo", runner.attention_backend, len(reduces), "all-reduces of activations,",
-          len(moved), "collectives")
+          len(moved), "collectives,", len(quant), "quantized matmuls per device")
+
+
+def _check_quant_calls(calls: list, engine) -> None:
+    """calls: (x dims, codes dims, output dims) of each C++ quantized matmul of the tp=2 step:
+    one per projection of every layer (and the LM head when quantized), each on one device's
+    share: qkv / gate_up / the head by output column, o_proj / down_proj by input row."""
+    import jax
+
+    mc = engine.model_config
+    h, i, v = mc.hidden_size, mc.intermediate_size, mc.vocab_size
+    qkv, q = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim, mc.num_heads * mc.head_dim
+    local = {(h, qkv // 2), (q // 2, h), (h, i), (i // 2, h)}  # (K, N) per device; gate_up 2I/2
+    paths = [str(p) for p, _ in jax.tree_util.tree_leaves_with_path(engine.runner.state)]
+    head = any("values" in p and ("lm_head" in p or "embed_tokens" in p) for p in paths)
+    if head:
+        local.add((h, v // 2))
+    got = {(x[1], out[1]) for x, _, out in calls}
+    assert got == local, (sorted(got), sorted(local))
+    for x, codes, out in calls:
+        assert x[0] == out[0], (x, out)
+        assert codes in ((x[1], out[1]), (x[1] // 2, out[1])), (x, codes, out)  # int8 | int4
+    assert len(calls) == 4 * mc.num_layers + head, calls
 
 
 def check_tp_bad_heads(model_dir: str) -> None:

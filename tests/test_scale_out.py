@@ -48,6 +48,64 @@ def test_tensor_parallel_kernels_per_device(tiny_llama_dir):
     assert "ok tp chunked cpu" in out and "ok tp hlo cpu" in out and "ok tp hlo xla" in out, out
 
 
+@pytest.fixture(scope="module")
+def wide_llama_dir(tmp_path_factory) -> str:
+    """A tiny llama whose o_proj / down_proj (K = 128 / 256) split in 2 into rows the int4
+    kernel takes (K / 2 per device a multiple of the group of 32)."""
+    return save_tiny_model("llama", tmp_path_factory.mktemp("wide") / "llama", seed=0,
+                           hidden_size=128, intermediate_size=256)
+
+
+def test_tensor_parallel_quantized_kernels_per_device(wide_llama_dir, tmp_path):
+    """Quantized weights at tp=2 on the C++ kernels: each device multiplies by its own share of
+    the codes (qkv / gate_up / the head by column, o_proj / down_proj by row, int4 rows packed
+    per device) and tp=1's greedy tokens come out, for int8 (per channel), int4 (groups of 32,
+    a quantized head), on Pallas (interpreted), and for a GGUF file's Q4_1 tensors as stored;
+    the compiled step calls the quantized-matmul kernel on local shapes, keeps 2 all-reduces
+    per layer and gathers no weight."""
+    from tests.tiny_models import save_tiny_gguf
+
+    out = run_checks(2, wide_llama_dir, "tp:quantization=int8", "tp:quantization=int4",
+                     "tp:quantization=int4,quantize_lm_head=1,attention_backend=pallas",
+                     "tp_hlo:quantization=int8", "tp_hlo:quantization=int4,quantize_lm_head=1")
+    assert out.count("ok tp 2 cpu") == 2 and "ok tp 2 pallas" in out, out
+    assert "8 quantized matmuls per device" in out and "9 quantized matmuls" in out, out
+    gguf = save_tiny_gguf(wide_llama_dir, tmp_path / "q4_1.gguf", "Q4_1")
+    out = run_checks(2, gguf, f"tp:tokenizer={wide_llama_dir}",
+                     f"tp_hlo:tokenizer={wide_llama_dir}")
+    assert "ok tp 2 cpu" in out and "9 quantized matmuls per device" in out, out
+
+
+def test_quantized_split_is_exact_or_refused():
+    """Which quantized weights split per device: a row split must fall on whole groups of K
+    (and, for int4, an even number of rows a device); per-channel int8 rows always do."""
+    from jaxinfer.ops.sharded_matmul import COLUMN, ROW, split_problem
+
+    assert split_problem(COLUMN, 4, 32, (576, 960), 3) is None
+    assert "N=960" in split_problem(COLUMN, 8, 576, (576, 960), 7)
+    assert split_problem(ROW, 8, 576, (576, 576), 3) is None  # per channel: scales shared
+    assert split_problem(ROW, 4, 32, (576, 576), 3) is None  # 192 rows: 6 groups, 96 bytes
+    assert "whole groups of 128" in split_problem(ROW, 4, 128, (576, 576), 2)  # 4.5 groups
+    assert "even" in split_problem(ROW, 4, 32, (66, 64), 2)  # 33 rows: half a byte each
+    assert "K=64" in split_problem(ROW, 8, 32, (64, 64), 3)
+
+
+def test_int4_rows_packed_per_shard():
+    """Each device's block of repacked codes is the natural packing of its own rows."""
+    import numpy as np
+
+    from jaxinfer.models.tp_layout import int4_rows_packed_per_shard
+    from jaxinfer.quant import pack_int4
+    from jaxinfer.quant.format import unpacked_int4
+
+    q = np.random.default_rng(0).integers(0, 16, size=(2, 96, 5)).astype(np.uint8)  # [L, K, N]
+    repacked = np.asarray(int4_rows_packed_per_shard(pack_int4(q), 96, 3))
+    assert repacked.shape == (2, 48, 5)
+    for j in range(3):
+        block = repacked[:, j * 16:(j + 1) * 16]
+        np.testing.assert_array_equal(np.asarray(unpacked_int4(block, 32)), q[:, j * 32:(j + 1) * 32])
+
+
 def test_tensor_parallel_smollm2(smollm2_gguf):
     """SmolLM2-135M (9 query heads over 3 KV heads, tied embeddings, Q8_0 weights as stored) at
     tp=3: each device runs the C++ kernel on 3 query heads and their one KV head; tp=1's greedy

@@ -124,7 +124,11 @@ class QuantizedLinear(Linear):
     ([L, ...]) are allowed, the scan over layers slices them before `matmul` runs. `backend`
     (static): how `ops.quantized_matmul` multiplies (quantize_model sets it from the engine's
     attention_backend). `dense`: the same weight in float, kept beside the codes when many-row
-    products should run as dense matmuls (ops.quantized_matmul says when).
+    products should run as dense matmuls (ops.quantized_matmul says when). `mesh`, `tp_split`
+    (static): the tensor-parallel mesh the weight is placed on and its split ("column" /
+    "row"), where each device multiplies by its own share (set by runtime/sharding.py, which
+    also packs a row-split int4 weight's codes per device: models/tp_layout.py); None
+    otherwise.
     """
 
     def __init__(self, qweight, bias: nnx.Param | None = None, *, dtype=jnp.float32,
@@ -132,6 +136,7 @@ class QuantizedLinear(Linear):
         self.in_features, self.out_features = qweight.shape
         self.dtype = dtype
         self.backend = backend
+        self.mesh, self.tp_split = None, None
         self.bits, self.group_size = qweight.bits, qweight.group_size
         self.values = nnx.Param(qweight.values)
         self.scales = nnx.Param(qweight.scales)
@@ -147,19 +152,22 @@ class QuantizedLinear(Linear):
 
     def matmul(self, x: jax.Array) -> jax.Array:
         return ops.quantized_matmul(x.astype(self.dtype), self.qweight, backend=self.backend,
-                                    dense=None if self.dense is None else self.dense[...])
+                                    dense=None if self.dense is None else self.dense[...],
+                                    mesh=self.mesh, split=self.tp_split)
 
 
 class QuantizedEmbed(Embed):
     """Embed over a `quant.QuantizedWeight` stored in LM-head layout [features, num_embeddings],
     so the tied head is a plain quantized matmul and a lookup dequantizes only its columns.
     `dense`: the float table [num_embeddings, features] kept beside the codes (see
-    QuantizedLinear); lookups then read it."""
+    QuantizedLinear); lookups then read it. `mesh`, `tp_split`: as QuantizedLinear's, for
+    the tied head (split by vocabulary: "column")."""
 
     def __init__(self, qweight, *, dtype=jnp.float32, backend: str = "auto",
                  dense: jax.Array | None = None):
         self.dtype = dtype
         self.backend = backend
+        self.mesh, self.tp_split = None, None
         self.bits, self.group_size = qweight.bits, qweight.group_size
         self.features, self.num_embeddings = qweight.shape
         self.values = nnx.Param(qweight.values)
@@ -181,7 +189,8 @@ class QuantizedEmbed(Embed):
     def attend(self, x: jax.Array) -> jax.Array:
         dense = None if self.dense is None else self.dense[...].T  # [features, num_embeddings]
         return ops.quantized_matmul(x.astype(self.dtype), self.qweight, backend=self.backend,
-                                    dense=dense).astype(jnp.float32)
+                                    dense=dense, mesh=self.mesh,
+                                    split=self.tp_split).astype(jnp.float32)
 
 
 def set_quantized_matmul_backend(model: nnx.Module, backend: str) -> nnx.Module:

@@ -11,12 +11,22 @@ intermediate channels i I/s .. (i+1) I/s - 1 (the rows of `down_proj` device i h
 `qkv_column_order` / `gate_up_column_order` give the permutation (applied once to the weights,
 jaxinfer/runtime/sharding.py); `split_qkv` / `split_gate_up` undo it on the activations inside
 the step. With s = 1 both are the natural order and the splits are plain slices.
+
+An int4 weight split by row (o_proj, down_proj) over `s` devices whose quantized matmul runs per
+device (ops/sharded_matmul.py) needs each device's K / s rows packed as a matrix of their own:
+the natural packing pairs row i with row K/2 + i (quant/format.py), two rows on different
+devices. `int4_rows_packed_per_shard` repacks the codes once (the scales, per group of K, keep
+their order), so device j's packed rows j K/2s .. (j+1) K/2s - 1 hold its rows j K/s .. in the
+natural packing of a [K/s, N] matrix.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from jaxinfer.quant.format import pack_int4, unpacked_int4
 
 
 def qkv_column_order(num_heads: int, num_kv_heads: int, head_dim: int, shards: int) -> np.ndarray:
@@ -54,3 +64,14 @@ def split_gate_up(gate_up: jax.Array, intermediate_size: int,
     blocks = gate_up.reshape(t, shards, 2, intermediate_size // shards)  # [T, s, 2, I/s]
     return (blocks[:, :, 0].reshape(t, intermediate_size),
             blocks[:, :, 1].reshape(t, intermediate_size))
+
+
+def int4_rows_packed_per_shard(values: jax.Array, k: int, shards: int) -> jax.Array:
+    """u8[..., K/2, N] naturally packed -> u8[..., K/2, N] whose `shards` blocks of K/2s packed
+    rows are each the natural packing of the block's own K/s rows (K a multiple of 2 shards)."""
+    if k % (2 * shards):
+        raise ValueError(f"K={k} must be a multiple of 2 x {shards} shards")
+    q = unpacked_int4(values, k)  # u8[..., K, N] nibbles
+    rows = k // shards
+    blocks = [pack_int4(q[..., j * rows:(j + 1) * rows, :]) for j in range(shards)]
+    return jnp.concatenate(blocks, axis=-2)  # u8[..., K/2, N]

@@ -9,14 +9,16 @@ compiled on first use, the production path on a CPU), "xla" (plain jnp, everywhe
 resolved by `resolve_backend` alone: Pallas on a GPU, the C++ kernels on a CPU where they build,
 XLA otherwise. A kernel that cannot handle a case raises NotImplementedError and the op runs on the
 XLA path with a warning, so every platform runs everything. Ops without a kernel for a backend
-(writing the cache and the quantized matmul on "cpu") run on the XLA path, which is what that
+(writing the cache on "cpu") run on the XLA path, which is what that
 backend wants there. The implementations live beside this module (`xla_attention.py`,
 `kv_cache.py`) and in `pallas_kernels/`, `cpu_kernels/` and `jaxinfer/quant/xla.py`.
 
 With a tensor-parallel `mesh` (tp > 1), `write_kv` and `ragged_paged_attention` on "cpu" and
 "pallas" run once per device on its own heads under `jax.shard_map` (`sharded.py`): the kernels
 are custom calls XLA's partitioner cannot split (the "cpu" cache write, an XLA scatter, goes
-with them and stays local). On "xla" the partitioner splits both by head itself.
+with them and stays local). On "xla" the partitioner splits both by head itself. So does
+`quantized_matmul` for a layer placed split by column or row (`sharded_matmul.py`): each device
+multiplies by its own share of the codes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from jax.sharding import Mesh
 from jaxinfer.config import Backend
 from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache, quantize_kv
 from jaxinfer.ops.sharded import attention_per_shard, num_shards, write_kv_per_shard
+from jaxinfer.ops.sharded_matmul import matmul_per_shard
 from jaxinfer.ops.xla_attention import ragged_paged_attention_xla
 from jaxinfer.quant import QuantizedWeight
 from jaxinfer.quant import quantized_matmul as quantized_matmul_xla
@@ -197,15 +200,27 @@ def _attention_local(q, k_cache, v_cache, layer, md: AttentionMetadata, k_scale,
 
 
 def quantized_matmul(x: jax.Array, qweight: QuantizedWeight, *, backend: str = "auto",
-                     dense: jax.Array | None = None) -> jax.Array:
+                     dense: jax.Array | None = None, mesh: Mesh | None = None,
+                     split: str | None = None) -> jax.Array:
     """x: [..., K] @ a QuantizedWeight [K, N] (int8 / int4, one matrix) -> [..., N] in x.dtype.
     "pallas": the Pallas kernel; "cpu": the C++ kernel for a few rows, else the weight
     dequantized by the C++ kernel and XLA's matmul; "xla": dequantized inside the jit. A layout a
     kernel does not take (e.g. int4 g128 with K/2 not a multiple of 128) runs on the XLA path.
     `dense` (the same weight in float, [K, N]): on "cpu", products of more rows than
-    cpu_quant.dense_faster_above_rows() use it instead of the codes."""
-    k, n = qweight.shape
+    cpu_quant.dense_faster_above_rows() use it instead of the codes. `mesh`, `split`: the
+    tensor-parallel mesh the weight is placed on and how ("column" / "row",
+    sharded_matmul.py); on "cpu" and "pallas" each device then multiplies by its own share
+    (a "column" result is split by column, a "row" result summed over the devices)."""
     backend = resolve_backend(backend)
+    matmul = functools.partial(_quantized_matmul_local, backend=backend)
+    if backend != "xla" and split is not None and num_shards(mesh) > 1:
+        return matmul_per_shard(matmul, mesh, x, qweight, dense, split)
+    return matmul(x, qweight, dense)
+
+
+def _quantized_matmul_local(x: jax.Array, qweight: QuantizedWeight, dense: jax.Array | None, *,
+                            backend: str) -> jax.Array:
+    k, n = qweight.shape
     rows = x.reshape(-1, k) if x.shape[-1] == k else None  # [M, K]
     dense_above = cpu_quant.dense_faster_above_rows() if backend == "cpu" else None
     if dense is not None and dense_above is not None and rows is not None and \

@@ -4,8 +4,9 @@ An engine runs on a group of devices: the first `tensor_parallel_size` devices, 
 data-parallel replica was given (jaxinfer/engine/replicas.py). Its weights and KV cache are placed
 on a `jax.sharding.Mesh` with one axis, `tp`, over that group (jaxinfer/runtime/sharding.py), and
 XLA's SPMD partitioner (GSPMD) splits the jitted step over it, except for the attention kernels,
-which run once per device on its own heads (jaxinfer/ops/sharded.py): no communication code of
-our own.
+which run once per device on its own heads (jaxinfer/ops/sharded.py), and the quantized-matmul
+kernels, on its own share of the codes (jaxinfer/ops/sharded_matmul.py): no communication code
+of our own beyond their psum.
 """
 
 from __future__ import annotations

@@ -22,8 +22,13 @@ with tp > 1 the model hands the mesh to `ops`, which runs the KV write and the a
 once per device on its own heads under `jax.shard_map` (jaxinfer/ops/sharded.py): q and the cache
 split by head, the page table and lengths replicated, the output split by query head as o_proj's
 rows expect. The XLA backend's attention is plain jnp that GSPMD splits by head by itself.
-Quantized matmuls run on the XLA path with tp > 1 (set here, in `shard_model`): GSPMD splits
-the dequantize-and-matmul like any other op, where the quantized-matmul kernels would be opaque.
+The quantized-matmul kernels are custom calls too: with tp > 1 a quantized layer on the "cpu" or
+"pallas" backend whose split is exact multiplies per device under `jax.shard_map` on its own
+share of the codes, in the placement above (ops/sharded_matmul.py: column layers get x
+replicated and return their columns, row layers get x split by its columns and psum their
+partial products, the layer's one all-reduce); a row-split int4 weight's codes are packed per
+device first (models/tp_layout.py). A layer whose split is not exact (groups of K that would
+straddle devices, a dimension tp does not divide) runs on the XLA path, which GSPMD splits.
 Speculative decoding with a draft model is not supported with tp > 1 (the draft's cache would need
 the same treatment); n-gram speculation is.
 """
@@ -38,11 +43,13 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import Embed, QuantizedEmbed, set_quantized_matmul_backend
+from jaxinfer.models.layers import Embed, QuantizedEmbed, QuantizedLinear
 from jaxinfer.models.llama import MLP, Attention
-from jaxinfer.models.tp_layout import gate_up_column_order, qkv_column_order
+from jaxinfer.models.tp_layout import (gate_up_column_order, int4_rows_packed_per_shard,
+                                       qkv_column_order)
 from jaxinfer.ops.kv_cache import KVCache, allocate_kv_cache
 from jaxinfer.ops.sharded import kv_cache_spec
+from jaxinfer.ops.sharded_matmul import COLUMN, ROW, split_problem
 from jaxinfer.runtime.mesh import TP_AXIS, tp_size
 
 _WEIGHT_ATTRS = ("weight", "bias", "values", "scales", "mins", "dense", "embedding")
@@ -72,11 +79,13 @@ def shard_model(model: nnx.Module, config: ModelConfig, mesh: Mesh) -> nnx.Modul
     check_tensor_parallel(config, tp)
     if ops.unrolled_layers_faster():
         model.unroll_layers()
-    if tp > 1:
-        set_quantized_matmul_backend(model, "xla")
     for path, module in list(nnx.iter_modules(model)):
         if isinstance(module, (Attention, MLP)) and module.tp_shards != tp:
             _reorder_fused_columns(module, config, tp)
+    if tp > 1:
+        for path, module in nnx.iter_modules(model):
+            if isinstance(module, (QuantizedLinear, QuantizedEmbed)) and module.mesh != mesh:
+                _split_quantized_matmul(path, module, mesh)
     for path, module in nnx.iter_modules(model):
         for attr in _WEIGHT_ATTRS:
             var = getattr(module, attr, None)
@@ -116,6 +125,29 @@ def _reorder_fused_columns(module: nnx.Module, config: ModelConfig, tp: int) -> 
                                  f"in the {order.size} fused output columns")
             var.value = jnp.take(var.value, jnp.asarray(order), axis=-1)
     module.tp_shards = tp
+
+
+def _split_quantized_matmul(path: tuple, module: nnx.Module, mesh: Mesh) -> None:
+    """Makes a quantized layer's matmul run per device on its own share of the codes (on the
+    kernels' backends: ops/sharded_matmul.py), packing a row-split int4 weight per device; or,
+    where that split is not exact, on the XLA path, which GSPMD splits like any jnp op."""
+    tp = tp_size(mesh)
+    name = path[-1] if path else ""
+    split = (ROW if name in _ROW_LAYERS else
+             COLUMN if name in _COLUMN_LAYERS or isinstance(module, QuantizedEmbed) else None)
+    qw = module.qweight
+    problem = "not a split layer" if split is None else \
+        split_problem(split, qw.bits, qw.group_size, qw.shape, tp)
+    if ops.resolve_backend(module.backend) == "xla" or problem is not None:
+        # e.g. int4 groups of 128 over SmolLM2's K=576 (4.5 groups) split in 2: a device's rows
+        # would end inside a group, whose scale both would need (the kernels take whole groups)
+        module.backend = "xla"
+        return
+    if module.mesh is not None:
+        raise ValueError(f"{name} is already split over {module.mesh}; cannot re-split it")
+    if split == ROW and qw.bits == 4:
+        module.values.value = int4_rows_packed_per_shard(module.values.value, qw.shape[0], tp)
+    module.mesh, module.tp_split = mesh, split
 
 
 def _weight_spec(path: tuple, module: nnx.Module, attr: str, shape: tuple, tp: int) -> P:
