@@ -266,6 +266,43 @@ def check_multi_process(model_dir: str) -> None:
     print("ok leader", llm.engine.runner.attention_backend, got[0])
 
 
+def check_multi_process_failure(model_dir: str, fails: str) -> None:
+    """One engine over 2 processes (as check_multi_process) in which `fails` ("leader" or
+    "follower") raises after a few steps, printing `failing at <time>` first: both processes
+    must then end with status 1 and the error (tests/test_scale_out.py reads their output)."""
+    import time
+
+    import jax
+
+    from jaxinfer.engine.replicas import run_follower
+    from jaxinfer.llm import LLM
+
+    llm = LLM(model_dir, tensor_parallel_size=2, max_num_seqs=2, max_model_len=64,
+              max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    if jax.process_index() == 1:
+        if fails == "follower":
+            step_args, calls = runner._step_args, []
+
+            def failing(*args):
+                calls.append(1)
+                if len(calls) == 4:
+                    print("failing at", time.time(), flush=True)
+                    raise RuntimeError("follower failed on purpose")
+                return step_args(*args)
+
+            runner._step_args = failing
+        run_follower(llm.engine)
+        print("follower returned")  # not expected: the leader failed
+        return
+    _greedy(llm, max_tokens=4)
+    if fails == "leader":
+        print("failing at", time.time(), flush=True)
+        raise RuntimeError("leader failed on purpose")
+    _greedy(llm, max_tokens=4)  # the follower's 4th step fails: so does this
+    print("leader returned")  # not expected
+
+
 def _value(text: str):
     try:
         return int(text)
@@ -277,7 +314,8 @@ if __name__ == "__main__":
     # python -m tests.scale_out_checks DIR CHECK[:key=value,...] ...
     checks = {"tp": check_tp, "tp_chunked": check_tp_chunked, "tp_hlo": check_tp_hlo,
               "tp_bad_heads": check_tp_bad_heads, "dp": check_dp,
-              "tp_dp": check_tp_dp, "multi_process": check_multi_process}
+              "tp_dp": check_tp_dp, "multi_process": check_multi_process,
+              "multi_process_failure": check_multi_process_failure}
     model_dir, *specs = sys.argv[1:]
     for spec in specs:
         name, _, flags = spec.partition(":")

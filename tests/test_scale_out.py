@@ -134,30 +134,89 @@ def test_parallel_flags_come_from_engine_config():
     assert {"--tensor-parallel-size", "--data-parallel-size"} <= options
 
 
-def test_one_engine_over_two_processes(tiny_llama_dir):
-    """Two processes of one CPU device each (gloo collectives) as one tp=2 engine, its C++
-    attention kernels run per device: process 0's tokens equal a one-device engine's, process 1
-    follows its steps until it stops them."""
+def _two_processes(model_dir: str, check: str, timeout: float = 600) -> list[tuple]:
+    """Runs `python -m tests.scale_out_checks model_dir check` as processes 0 and 1 of one
+    engine (one CPU device each, gloo collectives over loopback). -> per process (status,
+    stdout, stderr, time.time() at which it was seen to end)."""
     import socket
+    import tempfile
+    import time
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = []
-    for pid in range(2):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", JAXINFER_NUM_PROCESSES="2",
-                   JAXINFER_PROCESS_ID=str(pid), JAXINFER_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                   PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        env.pop("XLA_FLAGS", None)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.scale_out_checks", tiny_llama_dir, "multi_process"],
-            cwd=_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    procs, logs, ended = [], [], [None, None]
     try:
-        results = [p.communicate(timeout=600) for p in procs]
+        for pid in range(2):
+            env = dict(os.environ, JAX_PLATFORMS="cpu", JAXINFER_NUM_PROCESSES="2",
+                       JAXINFER_PROCESS_ID=str(pid),
+                       JAXINFER_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                       PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            env.pop("XLA_FLAGS", None)
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            logs.append((out, err))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tests.scale_out_checks", model_dir, check],
+                cwd=_ROOT, env=env, stdout=out, stderr=err, text=True))
+        deadline = time.monotonic() + timeout
+        while None in ended and time.monotonic() < deadline:
+            for i, p in enumerate(procs):
+                if ended[i] is None and p.poll() is not None:
+                    ended[i] = time.time()
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for p, (out, err) in zip(procs, results):
-        assert p.returncode == 0, f"{out}\n{err[-6000:]}"
-    assert "ok leader cpu" in results[0][0] and "ok follower" in results[1][0], results
+    results = []
+    for p, (out, err), t in zip(procs, logs, ended):
+        out.seek(0)
+        err.seek(0)
+        results.append((p.wait(), out.read(), err.read(), t))
+    assert None not in ended, f"a process did not end in {timeout} s: {results}"
+    return results
+
+
+def test_one_engine_over_two_processes(tiny_llama_dir):
+    """Two processes of one CPU device each (gloo collectives) as one tp=2 engine, its C++
+    attention kernels run per device: process 0's tokens equal a one-device engine's, process 1
+    follows its steps until it stops them."""
+    results = _two_processes(tiny_llama_dir, "multi_process")
+    for status, out, err, _ in results:
+        assert status == 0, f"{out}\n{err[-6000:]}"
+    assert "ok leader cpu" in results[0][1] and "ok follower" in results[1][1], results
+
+
+def _failed_at(out: str) -> float:
+    return float(out.split("failing at ")[1].split()[0])
+
+
+def test_two_processes_leader_failure_ends_follower(tiny_llama_dir):
+    """Process 0 raises between steps: it broadcasts the error instead of the next step, and
+    process 1 raises LeaderFailed with it; both end with status 1, seconds apart (not after
+    jax.distributed's 100 s heartbeat or 5-minute shutdown timeouts)."""
+    (leader, lout, lerr, lend), (follower, fout, ferr, fend) = _two_processes(
+        tiny_llama_dir, "multi_process_failure:fails=leader")
+    assert leader == 1 and "leader failed on purpose" in lerr, f"{lout}\n{lerr[-6000:]}"
+    assert follower == 1, f"{fout}\n{ferr[-6000:]}"
+    assert "LeaderFailed: process 0 ended the engine after" in ferr, ferr[-6000:]
+    assert "RuntimeError: leader failed on purpose" in ferr, ferr[-6000:]
+    assert "follower returned" not in fout
+    assert fend - _failed_at(lout) < 60 and lend - _failed_at(lout) < 60, (lend, fend, lout)
+
+
+def test_two_processes_follower_failure_ends_leader(tiny_llama_dir):
+    """Process 1's step raises: it leaves at once with the error, process 0's step (waiting in
+    that step's collectives) fails with a RuntimeError saying another process left, and
+    process 0 leaves too; both with status 1, seconds apart."""
+    (leader, lout, lerr, lend), (follower, fout, ferr, fend) = _two_processes(
+        tiny_llama_dir, "multi_process_failure:fails=follower")
+    assert follower == 1, f"{fout}\n{ferr[-6000:]}"
+    assert "process 1 leaves the multi-process engine after 3 steps: RuntimeError: follower " \
+           "failed on purpose" in ferr, ferr[-6000:]
+    assert leader == 1, f"{lout}\n{lerr[-6000:]}"
+    assert "the multi-process engine failed: another process of the engine left" in lerr, \
+        lerr[-6000:]
+    assert "process 0 leaves the multi-process engine" in lerr, lerr[-6000:]
+    assert "leader returned" not in lout
+    assert lend - _failed_at(fout) < 60 and fend - _failed_at(fout) < 60, (lend, fend, fout)

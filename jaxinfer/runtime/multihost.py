@@ -9,6 +9,25 @@ the step's packed input buffer (and its static layout) to the others with
 the followers (`follow`) run the step on it and drop its output. A broadcast of kind STOP ends
 the followers' loop (`stop_followers`, also at the leader's exit).
 
+Failures end every process, with the error, in bounded time. The processes run in lockstep and
+JAX's collectives wait for every process without a timeout (gloo waited 80 s and more), so a
+process that cannot go on must leave: a process that exits closes its connections, and a
+collective the others are waiting in then fails at once ("connection closed by peer").
+
+- The leader exiting on an uncaught exception (the scheduler's, a caller's) between steps, where
+  the followers wait for the next broadcast: it broadcasts ERROR with the message instead of
+  STOP, and each follower raises `LeaderFailed` with it (both then exit through
+  jax.distributed's shutdown as usual).
+- A step that fails on the leader after its broadcast (the followers may be inside that step's
+  collectives, or gone): the runner refuses every later step and cannot recover (RuntimeError
+  from the engine's step), and at exit the leader leaves at once (`os._exit(1)`), skipping the
+  shutdown barrier the followers could not reach. A leader that stays up after it (a server)
+  keeps the followers waiting until it exits.
+- A follower whose step (or receive) fails, including a collective failing because the leader
+  left: it logs the error and leaves at once (`os._exit(1)`); an orderly exit would first wait
+  in jax.distributed's shutdown barrier (5 minutes) for a leader blocked in the step's
+  collectives. The leader's step then fails saying another process left (the case above).
+
     initialize_distributed(config)   # before any other JAX call: jax.distributed.initialize
     engine = LLMEngine(...)          # the same in every process; its runner is MultiHostRunner
     follow(engine.runner)            # processes 1..n-1; process 0 uses the engine as usual
@@ -25,6 +44,7 @@ import atexit
 import logging
 import os
 import pickle
+import sys
 
 import jax
 import numpy as np
@@ -41,7 +61,12 @@ logger = logging.getLogger(__name__)
 ENV_COORDINATOR = "JAXINFER_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXINFER_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXINFER_PROCESS_ID"
-_STEP, _STOP = 1, 2  # message kinds
+_STEP, _STOP, _ERROR = 1, 2, 3  # message kinds (ERROR's layout is the leader's error message)
+_PEER_LEFT = ("closed by peer", "Connection reset", "Connection refused")  # gloo's words for it
+
+
+class LeaderFailed(RuntimeError):
+    """Raised in a follower when process 0 ended the engine after an error (its message)."""
 
 
 def distributed_settings(config: EngineConfig) -> tuple[str, int, int] | None:
@@ -94,8 +119,9 @@ class MultiHostRunner(ModelRunner):
             raise ValueError("a draft model is not supported across processes")
         self._replicated = NamedSharding(self.mesh, P())
         self._stopped = False
+        self._failure: str | None = None  # why a step failed: no step runs after one
         if jax.process_index() == 0:
-            atexit.register(self.stop_followers)
+            atexit.register(self._at_exit)
 
     def _step_args(self, buf, level) -> tuple:
         buf = jax.device_put(np.asarray(buf), self._replicated)  # the same value on every process
@@ -103,9 +129,22 @@ class MultiHostRunner(ModelRunner):
         return super()._step_args(buf, level)
 
     def execute(self, step_input: StepInput):
+        if self._failure is not None:
+            raise RuntimeError(f"the multi-process engine failed: {self._failure}")
         buf, layout = step_input.pack()
-        _broadcast(_STEP, buf, layout, int(logprob_level(step_input)))
-        return super().execute(step_input)
+        try:
+            _broadcast(_STEP, buf, layout, int(logprob_level(step_input)))
+            return super().execute(step_input)
+        except Exception as e:
+            self._failure = _describe(e)
+            raise RuntimeError(f"the multi-process engine failed: {self._failure}") from e
+
+    def restore_caches(self) -> bool:
+        """After a failed step: the caches are global arrays of every process, which the
+        followers would have to re-allocate in step, so the engine cannot go on (RuntimeError)."""
+        if self._failure is not None:
+            raise RuntimeError(f"the multi-process engine cannot recover: {self._failure}")
+        return super().restore_caches()
 
     def compile(self, step_inputs, num_threads: int = 1) -> int:
         """Every process must launch the same executables the same way, so ahead-of-time
@@ -118,28 +157,74 @@ class MultiHostRunner(ModelRunner):
                 new += 1
         return new
 
-    def stop_followers(self) -> None:
-        """Ends the followers' loops (once; the leader only)."""
-        if not self._stopped and jax.process_index() == 0:
-            self._stopped = True
+    def stop_followers(self, error: str | None = None) -> None:
+        """Ends the followers' loops (once; the leader only, between steps): normally, or with
+        `error`, which each follower raises as LeaderFailed."""
+        if self._stopped or jax.process_index() != 0:
+            return
+        self._stopped = True
+        if self._failure is not None:
+            raise RuntimeError(f"cannot stop the followers after a failed step: {self._failure}")
+        if error is None:
             _broadcast(_STOP, np.zeros(1, np.int32), (), 0)
+        else:
+            _broadcast(_ERROR, np.zeros(1, np.int32), error, 0)
+
+    def _at_exit(self) -> None:
+        if self._failure is not None:
+            _leave(f"process 0 leaves the multi-process engine after a failed step: "
+                   f"{self._failure}")
+        error = getattr(sys, "last_value", None)  # set when exiting on an uncaught exception
+        try:
+            self.stop_followers(None if error is None else _describe(error))
+        except Exception as e:  # noqa: BLE001 - a follower that left
+            _leave(f"process 0 leaves the multi-process engine: stopping the followers failed: "
+                   f"{_describe(e)}")
 
 
 def follow(runner: MultiHostRunner) -> int:
     """A follower's loop: runs every step the leader broadcasts until it broadcasts STOP.
-    Returns the number of steps run."""
+    Returns the number of steps run; raises LeaderFailed when the leader broadcasts an error.
+    Any other failure ends this process at once (`_leave`: see the module docstring)."""
     if jax.process_index() == 0:
         raise ValueError("process 0 leads; only processes 1.. follow")
     steps = 0
     while True:
-        kind, buf, layout, level = _receive()
-        if kind == _STOP:
-            return steps
-        args = runner._step_args(buf, np.int32(level))
-        result = runner._step(*args, layout, runner.flags)
-        out, _ = runner._keep_caches(result)
-        jax.block_until_ready(out)
+        try:
+            kind, buf, layout, level = _receive()
+            if kind == _STOP:
+                return steps
+            if kind == _ERROR:
+                raise LeaderFailed(f"process 0 ended the engine after {steps} steps: {layout}")
+            args = runner._step_args(buf, np.int32(level))
+            result = runner._step(*args, layout, runner.flags)
+            out, _ = runner._keep_caches(result)
+            jax.block_until_ready(out)
+        except LeaderFailed:
+            raise
+        except Exception as e:  # noqa: BLE001 - this process cannot go on in step with the others
+            _leave(f"process {jax.process_index()} leaves the multi-process engine after {steps} "
+                   f"steps: {_describe(e)}")
         steps += 1
+
+
+def _describe(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    if any(words in text for words in _PEER_LEFT):
+        return f"another process of the engine left (its log says why): {text}"
+    return text
+
+
+def _leave(message: str) -> None:
+    """Logs `message` and ends this process at once with status 1 (no atexit handlers, no
+    jax.distributed shutdown barrier): the other processes' collectives then fail at once."""
+    if logger.hasHandlers():
+        logger.critical(message)
+    else:
+        print(message, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(1)
 
 
 def _broadcast(kind: int, buf: np.ndarray, layout, level: int) -> None:
