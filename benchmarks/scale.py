@@ -3,6 +3,7 @@
     JAX_PLATFORMS=cpu python benchmarks/scale.py                  # host devices (default)
     JAX_PLATFORMS=cpu python benchmarks/scale.py --settings 1x1,2x1 --layers 4
     JAX_PLATFORMS=cpu python benchmarks/scale.py --settings 2x1 --attention-backend xla
+    JAX_PLATFORMS=cpu python benchmarks/scale.py --settings 1x1,2x1 --quantization int4
     python benchmarks/scale.py --devices real                     # jax.devices(), e.g. GPUs
 
 Each setting TPxDP (tensor_parallel_size x data_parallel_size; default 1x1, 2x1, 4x1, 1x2, 2x2)
@@ -21,8 +22,10 @@ tokens each, greedy, EOS ignored, prefix caching off; then the decode step time:
 brought to decoding, `--steps` (8) engine steps timed (one step decodes one token of each). The
 table gives the step time, output tok/s of the workload and its ratio to tp=1 (1x1).
 Every setting runs attention on `--attention-backend` (default "auto": the C++ kernels on a CPU,
-run per device under shard_map when tp > 1; docs/scale_out.md). On a shared machine repeat a run
-before reading much into one row: 8 timed steps move with the load.
+run per device under shard_map when tp > 1; docs/scale_out.md), and weights quantized as
+`--quantization` (default none; int8 / int4 matmuls run on the same backend's kernels, also per
+device). On a shared machine repeat a run before reading much into one row: 8 timed steps move
+with the load.
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ def run_setting(args) -> dict:
                   data_parallel_size=args.dp, max_num_seqs=args.requests,
                   max_num_batched_tokens=max(256, args.prompt_len),
                   max_model_len=args.prompt_len + args.output_len + args.steps + 16,
-                  enable_prefix_caching=False, attention_backend=args.attention_backend)
+                  enable_prefix_caching=False, attention_backend=args.attention_backend,
+                  quantization=args.quantization)
     rng = np.random.default_rng(0)
 
     def prompts():
@@ -112,7 +116,8 @@ def run_child(setting: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--tp", str(tp), "--dp", str(dp),
            "--layers", str(args.layers), "--requests", str(args.requests),
            "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len),
-           "--steps", str(args.steps), "--attention-backend", args.attention_backend]
+           "--steps", str(args.steps), "--attention-backend", args.attention_backend,
+           "--quantization", args.quantization]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                               timeout=args.timeout, check=False)
@@ -137,6 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed")
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "xla", "pallas"],
                     help="the engines' attention_backend (default: auto)")
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
     ap.add_argument("--timeout", type=float, default=900, help="seconds per setting")
     ap.add_argument("--json", help="also write the rows here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -158,7 +164,7 @@ def main(argv=None) -> int:
               "it with `--devices real` (jax.devices()).\n")
     print(f"{args.layers}-layer SmolLM2-shaped model (8 / 4 heads), random weights; "
           f"{args.requests} requests x {args.prompt_len} prompt + {args.output_len} output tokens, "
-          "greedy; step = one decode step of all requests\n")
+          f"greedy, weights {args.quantization}; step = one decode step of all requests\n")
     print(f"| setting | devices | attention | step ms (decode, batch {args.requests}) | "
           "output tok/s | ratio to tp=1 |")
     print("| --- | --- | --- | --- | --- | --- |")
