@@ -14,7 +14,9 @@ batch grows: sched/spec_policy.py) vs speculation off, vs speculation forced on 
 policy's batch rule off), and with the uncalibrated budget of 64 tokens per step. `warmup()`
 compiles every shape and calibrates the policy's batch budget on this device; untimed passes
 warm the caches; configurations run interleaved `--reps` times and the fastest run of each
-counts, since the machine is shared.
+counts, since the machine is shared. Its engine warms up 118 executables, which on Linux need
+about 65,500 memory mappings: raise `vm.max_map_count` above its default 65,530 first
+(`sudo sysctl -w vm.max_map_count=262144`; docs/performance.md says why).
 """
 
 from __future__ import annotations

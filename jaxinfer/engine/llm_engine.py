@@ -296,6 +296,8 @@ class LLMEngine:
         for start in range(0, total, chunk):
             self.runner.compile(step_inputs[start:start + chunk], num_threads=num_threads)
             done = min(start + chunk, total)
+            if start == 0:  # all of them must fit, not just the next chunk: fail now, not later
+                self.runner.check_room(step_inputs[done:])
             if done < total:
                 logger.info("warm-up: %d/%d step shapes (%.1f s)", done, total,
                             time.perf_counter() - t0)

@@ -18,6 +18,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from cpu_kernels.ragged_paged_attention import MAX_PAGE_SIZE as MAX_CPU_PAGE_SIZE
 from jaxinfer.ops.kv_cache import allocate_kv_cache
 from jaxinfer.runtime.draft_model import DraftModel
+from jaxinfer.runtime import memory_maps
 from jaxinfer.runtime.executable_cache import ExecutableCache
 from jaxinfer.runtime.mesh import available_ram, tp_size
 from jaxinfer.runtime.sampler import NO_LOGPROBS, TOKEN_LOGPROBS, TOP_LOGPROBS
@@ -77,6 +78,7 @@ class ModelRunner:
             (graphdef, draft and draft.graphdef, model_config, engine_config))
         self.num_compilations = 0
         self.compile_seconds = 0.0
+        self.maps_per_executable = 0.0  # memory mappings one step executable took (measured)
 
     # -- one step ---------------------------------------------------------------------------
     def execute(self, step_input: StepInput) -> RunnerOutput:
@@ -89,6 +91,8 @@ class ModelRunner:
         level = logprob_level(step_input)
         args = self._step_args(jax.device_put(buf), level)
         compiled = self._executables.get(signature)
+        if compiled is None and is_new:  # compiled now, by jit
+            memory_maps.check_room(1, self.maps_per_executable)
         result = compiled(*args) if compiled is not None else self._step(*args, layout, flags)
         out, draft_ids = self._keep_caches(result)
         host, draft_ids = jax.device_get((out, draft_ids))  # the one device->host transfer
@@ -156,17 +160,34 @@ class ModelRunner:
                 pending[signature] = si
         if self.draft is not None:  # two draft-model steps compiled at once crashed XLA:CPU
             num_threads = 1
-        if num_threads > 1 and len(pending) > 1:
-            with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
-                results = list(pool.map(self._prepare, pending.values()))
-        else:
-            results = [self._prepare(si) for si in pending.values()]
-        for signature, (compiled, dt) in zip(pending, results):
-            self._executables[signature] = compiled
-            self._seen_signatures.add(signature)
-            self.num_compilations += 1
-            self.compile_seconds += dt
+        items = list(pending.items())
+        # the first executable alone, to measure its memory mappings; then the rest, if they fit
+        groups = [items] if self.maps_per_executable else [items[:1], items[1:]]
+        for group in filter(None, groups):
+            memory_maps.check_room(len(group), self.maps_per_executable)
+            before = memory_maps.in_use()
+            inputs = [si for _, si in group]
+            if num_threads > 1 and len(group) > 1:
+                with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
+                    results = list(pool.map(self._prepare, inputs))
+            else:
+                results = [self._prepare(si) for si in inputs]
+            after = memory_maps.in_use()
+            if before is not None and after is not None:
+                self.maps_per_executable = max(self.maps_per_executable,
+                                               (after - before) / len(group))
+            for (signature, _), (compiled, dt) in zip(group, results):
+                self._executables[signature] = compiled
+                self._seen_signatures.add(signature)
+                self.num_compilations += 1
+                self.compile_seconds += dt
         return len(pending)
+
+    def check_room(self, step_inputs: Iterable[StepInput]) -> None:
+        """Raises RuntimeError when the executables these inputs still need, at the memory
+        mappings each one took so far, would pass the process's limit (runtime/memory_maps.py)."""
+        new = {(si.pack()[1], self.flags) for si in step_inputs} - self._seen_signatures
+        memory_maps.check_room(len(new), self.maps_per_executable)
 
     def _prepare(self, step_input: StepInput) -> tuple[jax.stages.Compiled, float]:
         """(the Compiled step of this input's bucket, seconds); changes no state."""
