@@ -116,12 +116,16 @@ class _StubRunner:
     def __init__(self):
         self.compiled: list = []
         self.executed: list = []
+        self.room_checked: list[int] = []  # how many step inputs each check_room call covered
         self.num_compilations = 0
 
     def compile(self, step_inputs, num_threads=1):
         self.compiled += list(step_inputs)
         self.num_compilations += len(step_inputs)
         return len(step_inputs)
+
+    def check_room(self, step_inputs):
+        self.room_checked.append(len(list(step_inputs)))
 
     def execute(self, step_input):
         self.executed.append(step_input)
@@ -144,6 +148,7 @@ def test_warmup_logs_its_progress(caplog):
     assert progress and all(progress), lines
     done = [int(m.group(1)) for m in progress]
     assert done == sorted(done) and done[-1] < total
+    assert runner.room_checked == [total - done[0]]  # after the first chunk: all the rest at once
     assert re.fullmatch(rf"warm-up: {total}/{total} step shapes, {total} executables in "
                         r"\d+\.\d s", lines[-1]), lines
 
