@@ -7,7 +7,9 @@
 For each batch B and context C: B prompts of C random tokens (distinct, prefix caching off) are
 prefilled, then decoded N more tokens, greedy with EOS ignored. jaxinfer's decode tok/s is
 B * N / (time of the N engine steps after every prompt is prefilled): pure decode steps, host
-scheduling and detokenization included, after an untimed warm-up of every shape bucket; the best
+scheduling and detokenization included (the sequences prefilled first have decoded up to B * C /
+512 tokens by then, while the others prefilled, so the window starts at contexts of C to that much
+more), after an untimed warm-up of every shape bucket; the best
 of two such runs counts. Its prefill tok/s is C / (time to the first token) at B = 1, the
 best of two.
 `llama-batched-bench` (llama.cpp's own benchmark: `-npp C -ntg N -npl B`) reports the same two
@@ -48,18 +50,24 @@ def decode_seconds(engine, prompts: list[list[int]], new_tokens: int, tag: str) 
     decodes one token of every sequence)."""
     from jaxinfer import SamplingParams
 
-    params = SamplingParams(max_tokens=new_tokens + 2, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)  # aborted below
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, params)
     sched = engine.scheduler
     while sched.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
         engine.step()
+    requests = list(sched.running)
+    before = sum(r.num_output_tokens for r in requests)
     t0 = time.perf_counter()
     for _ in range(new_tokens):
         engine.step()
     seconds = time.perf_counter() - t0
-    while engine.has_unfinished_requests():
-        engine.step()
+    produced = sum(r.num_output_tokens for r in requests) - before
+    for r in requests:
+        engine.abort_request(r.request_id)
+    if produced != len(prompts) * new_tokens:
+        raise RuntimeError(f"{tag}: {produced} tokens in {new_tokens} steps of {len(prompts)} "
+                           f"sequences ({len(requests)} were running): a larger max_model_len?")
     return seconds
 
 
@@ -155,7 +163,9 @@ def main() -> None:
 
     source = model_source(args.model)
     page_size = 16
-    pages_per_seq = -(-(max(contexts) + args.new_tokens + 1) // page_size)
+    # the sequences prefilled first decode while the others prefill (one 512-token chunk a step)
+    early = max(batches) * max(contexts) // 512 + 1
+    pages_per_seq = -(-(max(contexts) + early + args.new_tokens + 1) // page_size)
     engine_kwargs = dict(max_model_len=pages_per_seq * page_size, page_size=page_size,
                          max_num_seqs=max(batches), num_pages=max(batches) * pages_per_seq + 8,
                          enable_prefix_caching=False)
