@@ -5,8 +5,8 @@
 # is SmolLM2-135M's shapes with random weights (configs/models/smollm2-135m-shapes: its config and
 # tokenizer): with greedy decoding and ignore_eos every length is exact, so the compute is the
 # real model's. Needs only what the GPU image has (jax, flax, transformers, tokenizers, numpy;
-# `gguf` is imported only for .gguf files). Run it right after gpu_check.sh in the same session.
-#   1. benchmarks/throughput.py: continuous vs static batching (issue #3's 3x), KV utilisation,
+# `gguf` is imported only for .gguf files). Run it right after gpu_check.sh on the same machine.
+#   1. benchmarks/throughput.py: continuous vs static batching, KV utilisation,
 #      prefix-cache TTFT, on the full workload (256 requests, prompts 16-1024, outputs mean 128).
 #   2. benchmarks/decode.py --no-hf: single-stream and batch-64 decode tokens/s.
 set -uo pipefail
