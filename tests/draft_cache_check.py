@@ -1,0 +1,33 @@
+"""The draft-model step and the executable cache, run by tests/test_executable_cache.py in a
+process of its own (compiling a draft-model step segfaulted XLA:CPU in a process that had run many
+engines before). The file name keeps the suite from collecting it: `pytest` runs it when named."""
+
+from __future__ import annotations
+
+import logging
+
+from jaxinfer import LLM
+from tests.test_executable_cache import SETTINGS, _cached_llm, _num_buckets, _outputs
+
+
+def test_draft_model_steps_are_compiled_not_loaded(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+    """The draft step (target + draft model, three donated caches) never goes through the
+    executable cache (loading its serialized form crashed jaxlib in a process that had run other
+    engines): a second engine compiles every bucket again, writes nothing, and gives the same
+    tokens."""
+    from tests.tiny_models import save_tiny_model
+
+    draft_dir = save_tiny_model("llama", tmp_path / "draft", seed=1)
+    spec = dict(speculative_method="draft", draft_model=draft_dir, num_speculative_tokens=2,
+                spec_max_batched_tokens=16)
+    expected = _outputs(LLM(tiny_llama_dir, **SETTINGS, **spec))
+    first = _cached_llm(tiny_llama_dir, tmp_path / "cache", monkeypatch, **spec)
+    n = first.engine.metrics.num_compilations
+    assert n == _num_buckets(first)
+    assert not list((tmp_path / "cache").glob("*/*.jaxexe"))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="jaxinfer.runtime.runner"):
+        second = _cached_llm(tiny_llama_dir, tmp_path / "cache", monkeypatch, **spec)
+    assert "loaded a step for" not in caplog.text, caplog.text[-3000:]
+    assert caplog.text.count("compiled a step for") == n, caplog.text[-3000:]
+    assert _outputs(second) == expected
