@@ -4,8 +4,9 @@
 # The real SmolLM2 GGUF (98 MB) cannot travel to the device machine (64 MiB limit), so the model
 # is SmolLM2-135M's shapes with random weights (configs/models/smollm2-135m-shapes: its config and
 # tokenizer): with greedy decoding and ignore_eos every length is exact, so the compute is the
-# real model's. Needs only what the GPU image has (jax, flax, transformers, tokenizers, numpy;
-# `gguf` is imported only for .gguf files). Run it right after gpu_check.sh on the same machine.
+# real model's. Needs jax, flax, transformers, tokenizers, numpy and `gguf` (the model loader
+# imports it; a GPU image without it takes the pure-Python wheel: `pip download --no-deps gguf`
+# here, `pip install --no-index --no-deps gguf-*.whl` there). Run it after gpu_check.sh.
 #   1. benchmarks/throughput.py: continuous vs static batching (both kinds), KV utilisation,
 #      prefix-cache TTFT (128 requests, prompts 16-1024, outputs mean 128).
 #   2. benchmarks/decode.py --no-llama: decode tokens/s at batch 1 and 64, contexts 32 and 512.
