@@ -4,11 +4,16 @@
 
 Workload (fixed seed): prompt lengths uniform in [16, 1024] tokens, output lengths from an
 exponential (mean 128) capped at 512, greedy with ignore_eos so lengths are exact. Both modes run
-the same requests through the same step and kernels; "static" only admits a new batch when the
-whole previous batch has finished. KV utilisation = live tokens / allocated page slots, sampled
-every step while requests are waiting (the pool is saturated). The prefix test sends requests that
-share a 512-token prefix all at once and compares mean time to first token with the prefix cache
-on and off.
+the same requests through the same step and kernels. "static" admits a new batch only when the
+whole previous batch has finished; a finished request leaves the batch, so the batch's steps
+shrink as it drains. "static-padded" is request-level batching as transformers' `generate` and
+other static servers run it: the batch also keeps its shape until its longest request ends, the
+finished rows staying in every step as padding (the same executables, a larger bucket).
+KV utilisation = live tokens / allocated page slots, sampled every step while requests are
+waiting (the pool is saturated). "CPU s" is the process's CPU time: on a shared machine it moves
+less with other users' load than the wall-clock rate. The prefix test sends requests that share a
+512-token prefix all at once and compares mean time to first token with the prefix cache on and
+off (it needs --max-prompt + --cap-out >= 512).
 """
 
 from __future__ import annotations
@@ -37,26 +42,46 @@ def workload(n: int, seed: int, vocab: int, max_prompt: int, mean_out: int, cap_
     return prompts, params
 
 
-def run_mode(llm: LLM, prompts, params) -> dict:
+class FixedShapeBuckets:
+    """The engine's buckets, but a step is never smaller than the largest batch seen since the
+    scheduler last ran empty: finished rows stay as padding until the whole batch is done."""
+
+    def __init__(self, buckets, scheduler):
+        self.buckets, self.scheduler, self.batch = buckets, scheduler, 0
+        self.page_size = buckets.page_size
+
+    def pick(self, num_tokens: int, num_seqs: int, pages_per_seq: int):
+        self.batch = max(self.batch, num_seqs)
+        return self.buckets.pick(max(num_tokens, self.batch), max(num_seqs, self.batch),
+                                 pages_per_seq)
+
+    def new_batch(self) -> None:
+        self.batch = 0
+
+
+def run_mode(llm: LLM, prompts, params, fixed: FixedShapeBuckets | None = None) -> dict:
     eng = llm.engine
     for i, (p, sp) in enumerate(zip(prompts, params)):
         eng.add_request(f"r{i}", p, sp)
-    utils, num_out, t0 = [], 0, time.perf_counter()
+    steps0, preempt0 = eng.metrics.num_steps, eng.metrics.num_preemptions_total
+    utils, num_out, t0, cpu0 = [], 0, time.perf_counter(), time.process_time()
     outs = {}
     while eng.has_unfinished_requests():
+        if fixed is not None and not eng.scheduler.running:
+            fixed.new_batch()  # the previous batch is done: the next one sets the shape
         for o in eng.step():
             if o.finished:
                 outs[o.request_id] = o
         st = eng.scheduler.stats()
         if st.num_waiting > 0 and st.num_allocated_slots:
             utils.append(st.kv_utilization)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     num_out = sum(len(o.outputs[0].token_ids) for o in outs.values())
     ttft = [o.metrics.time_to_first_token for o in outs.values()]
-    return dict(seconds=dt, out_tok_s=num_out / dt, num_out=num_out,
+    return dict(seconds=dt, out_tok_s=num_out / dt, num_out=num_out, cpu_seconds=cpu,
                 kv_util=float(np.mean(utils)) if utils else float("nan"),
-                ttft_mean=float(np.mean(ttft)), steps=eng.metrics.num_steps,
-                preemptions=eng.metrics.num_preemptions_total,
+                ttft_mean=float(np.mean(ttft)), steps=eng.metrics.num_steps - steps0,
+                preemptions=eng.metrics.num_preemptions_total - preempt0,
                 tokens={o.request_id: o.outputs[0].token_ids for o in outs.values()})
 
 
@@ -82,7 +107,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--num-pages", type=int, default=2048)
     ap.add_argument("--skip-static", action="store_true")
-    ap.add_argument("--modes", default="continuous,static",
+    ap.add_argument("--modes", default="continuous,static,static-padded",
                     help="comma-separated modes to run (e.g. static alone, to finish a long run)")
     ap.add_argument("--dummy", action="store_true",
                     help="random weights of the model's shapes (MODEL = a directory with config.json "
@@ -107,12 +132,17 @@ def main() -> None:
     print(f"warm-up {time.perf_counter() - t0:.0f} s, "
           f"{llm.engine.runner.num_compilations} executables", flush=True)
     eng = llm.engine
-    modes = [m for m in args.modes.split(",") if not (args.skip_static and m == "static")]
+    modes = [m for m in args.modes.split(",")
+             if not (args.skip_static and m.startswith("static"))]
+    buckets = eng.buckets
     for mode in modes:
-        ec = dataclasses.replace(eng.engine_config, scheduling=mode)
+        ec = dataclasses.replace(eng.engine_config, scheduling=mode.removesuffix("-padded"))
         eng.scheduler = Scheduler(ec, eng.num_pages, eng.max_model_len,
                                   eng.scheduler.eos_token_ids)
-        r = run_mode(llm, prompts, params)
+        fixed = FixedShapeBuckets(buckets, eng.scheduler) if mode == "static-padded" else None
+        eng.buckets = fixed or buckets
+        r = run_mode(llm, prompts, params, fixed)
+        eng.buckets = buckets
         results[mode] = r
         rows.append((mode, r))
         print(f"[{mode}] {r['out_tok_s']:.1f} out tok/s in {r['seconds']:.0f} s", flush=True)
@@ -126,16 +156,20 @@ def main() -> None:
           f"outputs exp(mean {args.mean_out}) cap {args.cap_out}, greedy, "
           f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPU cores"
           f"{', random weights of its shapes' if args.dummy else ''}")
-    print(f"{'mode':>11} | {'out tok/s':>9} | {'seconds':>8} | {'KV util':>7} | {'mean TTFT s':>11} | "
-          f"{'preempt':>7} | ratio")
-    print("-" * 78)
-    base = results.get("static", {}).get("out_tok_s")
+    bases = [m for m in ("static", "static-padded") if m in results]
+    print(f"{'mode':>13} | {'out tok/s':>9} | {'seconds':>8} | {'CPU s':>7} | {'steps':>6} | "
+          f"{'KV util':>7} | "
+          f"{'mean TTFT s':>11} | {'preempt':>7} | " + " | ".join(f"vs {b}" for b in bases))
+    print("-" * (94 + 18 * len(bases)))
     for mode, r in rows:
-        ratio = f"{r['out_tok_s'] / base:.2f}x" if base else "n/a"
-        print(f"{mode:>11} | {r['out_tok_s']:9.1f} | {r['seconds']:8.1f} | {r['kv_util']:7.1%} | "
-              f"{r['ttft_mean']:11.2f} | {r['preemptions']:7d} | {ratio}")
-    if "static" in results and "continuous" in results:
-        same = results["static"]["tokens"] == results["continuous"]["tokens"]
+        ratios = " | ".join(f"{r['out_tok_s'] / results[b]['out_tok_s']:{len(b) + 2}.2f}x"
+                            for b in bases)
+        print(f"{mode:>13} | {r['out_tok_s']:9.1f} | {r['seconds']:8.1f} | {r['cpu_seconds']:7.1f} | "
+              f"{r['steps']:6d} | "
+              f"{r['kv_util']:7.1%} | {r['ttft_mean']:11.2f} | {r['preemptions']:7d} | {ratios}")
+    token_sets = [results[m]["tokens"] for m in results if m != "prefix"]
+    if len(token_sets) > 1:
+        same = all(t == token_sets[0] for t in token_sets[1:])
         print(f"greedy tokens identical across modes: {same}")
     on, off = results["prefix"]
     print(f"\nPrefix cache, {args.prefix_requests} requests sharing a 512-token prefix: mean TTFT "
