@@ -9,6 +9,12 @@ import logging
 from jaxinfer import LLM
 from tests.test_executable_cache import SETTINGS, _cached_llm, _num_buckets, _outputs
 
+# Each draft-model step compiles the target and the draft model together, one at a time: 2 tokens
+# a step and one draft per sequence (with SETTINGS' 2 sequences) and a one-layer draft keep the
+# buckets few (12 executables; 46 with the former 4 sequences, 8 tokens a step and 2 drafts)
+# while the steps still verify drafts of two sequences at once.
+SMALL = dict(max_num_seqs=2, max_num_batched_tokens=2)
+
 
 def test_draft_model_steps_are_compiled_not_loaded(tiny_llama_dir, tmp_path, monkeypatch, caplog):
     """The draft step (target + draft model, three donated caches) never goes through the
@@ -17,10 +23,10 @@ def test_draft_model_steps_are_compiled_not_loaded(tiny_llama_dir, tmp_path, mon
     tokens."""
     from tests.tiny_models import save_tiny_model
 
-    draft_dir = save_tiny_model("llama", tmp_path / "draft", seed=1)
-    spec = dict(speculative_method="draft", draft_model=draft_dir, num_speculative_tokens=2,
-                spec_max_batched_tokens=16)
-    expected = _outputs(LLM(tiny_llama_dir, **SETTINGS, **spec))
+    draft_dir = save_tiny_model("llama", tmp_path / "draft", seed=1, num_hidden_layers=1)
+    spec = dict(speculative_method="draft", draft_model=draft_dir, num_speculative_tokens=1,
+                spec_max_batched_tokens=16, **SMALL)
+    expected = _outputs(LLM(tiny_llama_dir, **{**SETTINGS, **spec}))
     first = _cached_llm(tiny_llama_dir, tmp_path / "cache", monkeypatch, **spec)
     n = first.engine.metrics.num_compilations
     assert n == _num_buckets(first)

@@ -19,7 +19,9 @@ from jaxinfer.runtime.executable_cache import ExecutableCache
 from jaxinfer.sched.step_input import warmup_step_inputs
 from jaxinfer.structured import bitmask_words
 
-SETTINGS = dict(num_pages=32, page_size=8, max_num_seqs=4, max_num_batched_tokens=8,
+# Two sequences and 4 tokens a step: 5 shape buckets (10 executables with the bitmask layouts),
+# among them T > S, a chunked prefill and a batch of two, each engine compiling or loading them all.
+SETTINGS = dict(num_pages=32, page_size=8, max_num_seqs=2, max_num_batched_tokens=4,
                 max_model_len=64)
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [20, 21], [30, 31, 32, 33]]
 PARAMS = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
