@@ -196,10 +196,11 @@ def test_warmup_covers_constrained_verifying_layouts(ngram_llm, monkeypatch):
 
 def test_no_compiles_after_warmup_when_constrained_requests_speculate(tiny_llama_dir):
     """The compile counter, end to end, on the smallest speculating engine (one sequence, few
-    buckets: warm-up is the test's cost)."""
+    buckets: warm-up is the test's cost). Its speculation budget is set, not calibrated from
+    timed steps, so a loaded machine cannot talk it out of drafting."""
     llm = LLM(tiny_llama_dir, warmup=True, num_pages=8, page_size=8, max_num_seqs=1,
               max_num_batched_tokens=4, max_model_len=24, speculative_method="ngram",
-              num_speculative_tokens=2, ngram_min=1, ngram_max=3)
+              num_speculative_tokens=2, ngram_min=1, ngram_max=3, spec_max_batched_tokens=4)
     n = llm.engine.metrics.num_compilations
     so = StructuredOutputs(regex=r"(ab|cd){2,8}x")
     for sp in [SamplingParams(temperature=0.0, max_tokens=14, structured_outputs=so),
