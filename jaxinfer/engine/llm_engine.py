@@ -309,15 +309,12 @@ class LLMEngine:
             self.calibrate_speculation()
 
     def calibrate_speculation(self) -> int:
-        """Times the (compiled) all-padding steps of each token bucket and gives the policy
-        (sched/spec_policy.py) its budget of decode + draft tokens per step, the device's knee
-        from plain steps (rule 2), and the time of a step of T tokens that samples every one of
-        them, as a verification does (rule 3: such a step also runs the LM head on every row)."""
-        plain: dict[int, float] = {}  # T -> seconds of a step sampling one row per sequence
-        every_row: dict[int, float] = {}  # T -> seconds of a step sampling all T rows
+        """Times one (compiled) all-padding step per token bucket and sets the policy's budget of
+        decode + draft tokens per step to the device's knee (sched/spec_policy.py, rule 2), and
+        gives the policy those times to choose each request's drafts by (rule 3)."""
+        seconds: dict[int, float] = {}
         for si in warmup_step_inputs(self.engine_config, self.max_model_len, buckets=self.buckets):
-            num_tokens, num_rows = si.shape[0], si.logits_indices.shape[0]
-            if si.spec_row_ids is not None and num_rows != num_tokens:
+            if si.spec_row_ids is not None:
                 continue
             self.runner.execute(si)  # compiled, and caches warm
             best = float("inf")
@@ -325,18 +322,13 @@ class LLMEngine:
                 t0 = time.perf_counter()
                 self.runner.execute(si)
                 best = min(best, time.perf_counter() - t0)
-            if si.spec_row_ids is None:
-                plain[num_tokens] = max(plain.get(num_tokens, 0.0), best)
-            if num_rows == num_tokens:
-                every_row[num_tokens] = max(every_row.get(num_tokens, 0.0), best)
-        budget = SpecPolicy.calibrated_max_batched_tokens(plain)
+            num_tokens = si.shape[0]
+            seconds[num_tokens] = max(seconds.get(num_tokens, 0.0), best)
+        budget = SpecPolicy.calibrated_max_batched_tokens(seconds)
         self.scheduler.spec_policy = dataclasses.replace(
-            self.spec_policy, max_batched_tokens=budget,
-            step_seconds=tuple(sorted(every_row.items())))
-        logger.info("speculation: up to %d decode + draft tokens per step (step seconds %s; "
-                    "sampling every row %s)", budget,
-                    {t: round(s, 4) for t, s in sorted(plain.items())},
-                    {t: round(s, 4) for t, s in sorted(every_row.items())})
+            self.spec_policy, max_batched_tokens=budget, step_seconds=tuple(sorted(seconds.items())))
+        logger.info("speculation: up to %d decode + draft tokens per step (step seconds %s)",
+                    budget, {t: round(s, 4) for t, s in sorted(seconds.items())})
         return budget
 
     @property
