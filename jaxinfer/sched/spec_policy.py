@@ -1,7 +1,7 @@
 """SpecPolicy: how many drafts each request may have verified in a step. Host-only (no JAX).
 
-Rules 1 and 2 bound k (the smaller wins) until the device's step times are measured, then rules
-1 and 3; the scheduler then caps k by the token budget, the context limit and max_tokens:
+Two rules; the smaller k wins, and the scheduler then caps it by the token budget, the context
+limit and max_tokens:
 
 1. Per request, from its measured acceptance. Model each draft as accepted with probability
    `alpha`, independently, so the j-th draft is used with probability alpha**j: it is worth
@@ -26,16 +26,14 @@ Rules 1 and 2 bound k (the smaller wins) until the device's step times are measu
    small model) batches speculate too.
 
 3. By measured step cost, once `LLMEngine.warmup()` has timed a step of each token bucket
-   (`step_seconds`); it then takes rule 2's place. Within rule 1's bound, k maximises the
-   expected tokens per second when all n requests verify k drafts each, E(k) / cost(n (k + 1)):
-   E(k) = 1 + alpha + ... + alpha**k is what a verification of k drafts yields (the accepted
-   drafts and the token sampled after them), cost(t) the time of the smallest timed step of t
-   tokens or more (a step larger than any timed one is not taken). Unlike rule 2's fixed knee,
-   it weighs what a longer step buys. Where a step's time grows with its tokens (a CPU, whose
-   few-row matmuls cost nearly per row): at T = 1, 2, 5 steps of 8.6, 10.2 and 20 ms, alpha 0.75
-   gets k = 1 (1.75 tokens per 10.2 ms against 4 drafts' 3.05 per 20 ms), alpha 0.95 gets k = 4
-   (4.5 tokens per 20 ms). Where steps cost the same up to many tokens (a GPU) it is rule 1's k,
-   and batches speculate until their steps stop being cheap.
+   (`step_seconds`): within rules 1 and 2's bounds, k maximises the expected tokens per second,
+   E(k) / cost(n (k + 1)), where E(k) = 1 + alpha + ... + alpha**k is the tokens a verification
+   of k drafts yields (the accepted drafts and the one sampled after them) and cost(t) the time
+   of the smallest timed step of t tokens or more. Where a step's time grows with its tokens
+   (a CPU, whose few-row matmuls cost nearly per row) that is often k = 1 even for a request
+   that copies well: at T = 1, 2, 5 steps of 8.6, 10.2 and 17.3 ms and alpha 0.75, one draft
+   gives 1.75 tokens per 10.2 ms and four give 3.05 per 17.3 ms. Where steps cost the same up to
+   many tokens (a GPU) it is rule 1's k.
 
 Requests opt in or out with `SamplingParams.spec_decode` (None: the engine's default, which is on
 when a speculative method is configured).
@@ -140,15 +138,11 @@ class SpecPolicy:
         """Drafts to propose for `req` now, with `num_requests` running or waiting."""
         if not req.spec_enabled:
             return 0
+        k_batch = min(self.num_speculative_tokens, self.max_drafts_for_batch(num_requests))
         alpha = self.acceptance(req)
-        if self.step_seconds:  # rules 1 and 3
-            # what the batch allows at best (every draft accepted): 0 -> no probes either
-            k_batch = self.cheapest_num_drafts(1.0, num_requests, self.num_speculative_tokens)
-            k = self.cheapest_num_drafts(
-                alpha, num_requests, min(k_batch, self.num_drafts_for_acceptance(alpha)))
-        else:  # rules 1 and 2
-            k_batch = min(self.num_speculative_tokens, self.max_drafts_for_batch(num_requests))
-            k = min(k_batch, self.num_drafts_for_acceptance(alpha))
+        k = min(k_batch, self.num_drafts_for_acceptance(alpha))
+        if k > 0 and self.step_seconds:
+            k = self.cheapest_num_drafts(alpha, num_requests, k)
         if k == 0 and k_batch > 0 and req.spec_idle_steps >= PROBE_INTERVAL:
             return 1
         return k
