@@ -7,18 +7,16 @@ Single stream (one request at a time, greedy, SmolLM2's chat template): copy-hea
 or edit a given code block, answer with quotes from a given text) and free-form prompts, each run
 with speculation off (`spec_decode=False`) and on (n-gram prompt lookup; `--draft` adds a draft
 model, by default the target itself, which shows the machinery, not a speed-up). Reports output
-tokens/s, acceptance rate and mean accepted length (tokens per verification step), and checks the
-greedy output is identical. Batches of 8 and `--batch` requests at once (the same prompts,
+tokens/s, acceptance rate and mean accepted length (tokens per verification step), and checks
+the greedy output is identical. Batches of 8 and `--batch` requests at once (the same prompts,
 repeated): throughput with the adaptive policy (speculation shrinks, then switches off, as the
-batch grows, and each request's k follows its acceptance and the measured step times:
-sched/spec_policy.py) vs speculation off, vs speculation forced on at any size (the policy's batch
-rule off), and with the uncalibrated budget of 64 tokens per step. `warmup()` compiles every shape
-and calibrates the policy's batch budget on this device; untimed passes warm the caches;
-configurations run interleaved `--reps` times and the fastest run of each counts, since the machine
-is shared. Single streams also run with k chosen by acceptance alone (the policy's rules 1 and 2,
-without the step times of rule 3). Its engine warms up 118 executables, which on Linux need about
-65,500 memory mappings: raise `vm.max_map_count` above its default 65,530 first (`sudo sysctl -w
-vm.max_map_count=262144`; docs/performance.md says why).
+batch grows: sched/spec_policy.py) vs speculation off, vs speculation forced on at any size (the
+policy's batch rule off), and with the uncalibrated budget of 64 tokens per step. `warmup()`
+compiles every shape and calibrates the policy's batch budget on this device; untimed passes
+warm the caches; configurations run interleaved `--reps` times and the fastest run of each
+counts, since the machine is shared. Its engine warms up 118 executables, which on Linux need
+about 65,500 memory mappings: raise `vm.max_map_count` above its default 65,530 first
+(`sudo sysctl -w vm.max_map_count=262144`; docs/performance.md says why).
 """
 
 from __future__ import annotations
@@ -155,21 +153,14 @@ def main() -> None:
     print(f"warm-up {time.perf_counter() - t0:.0f} s, {llm.engine.metrics.num_compilations} "
           f"executables; calibrated budget: {budget} decode + draft tokens per step", flush=True)
     warm(llm, workloads["copy"] + workloads["free"], [sp_off, sp_on])
-    step_seconds = llm.engine.spec_policy.step_seconds
-    adaptive = lambda: set_policy(  # noqa: E731
-        llm, max_batched_tokens=budget, step_seconds=step_seconds)
-    no_cost = lambda: set_policy(  # noqa: E731  rules 1 and 2 only (k by acceptance alone)
-        llm, max_batched_tokens=budget, step_seconds=())
-    default = lambda: set_policy(  # noqa: E731  uncalibrated default
-        llm, max_batched_tokens=64, step_seconds=())
-    forced = lambda: set_policy(  # noqa: E731  batch rule off
-        llm, max_batched_tokens=10**6, step_seconds=())
+    adaptive = lambda: set_policy(llm, max_batched_tokens=budget)  # noqa: E731
+    default = lambda: set_policy(llm, max_batched_tokens=64)  # noqa: E731  uncalibrated default
+    forced = lambda: set_policy(llm, max_batched_tokens=10**6)  # noqa: E731  batch rule off
     single = {}
     for name, prompts in workloads.items():
         best = best_of(args.reps, {
             "off": (adaptive, lambda: run_single(llm, prompts, sp_off)),
             "ngram adaptive": (adaptive, lambda: run_single(llm, prompts, sp_on)),
-            "ngram k by acceptance": (no_cost, lambda: run_single(llm, prompts, sp_on)),
             "ngram budget 64": (default, lambda: run_single(llm, prompts, sp_on)),
         })
         single[name] = best["off"]

@@ -9,8 +9,6 @@ import json
 import random
 import shutil
 
-import time
-
 import numpy as np
 import pytest
 
@@ -89,55 +87,6 @@ def test_spec_policy_adapts_k_to_acceptance_and_batch():
     # the batch budget from measured step times: the largest step within 1.5x a one-token step
     assert SpecPolicy.calibrated_max_batched_tokens({1: .05, 2: .06, 4: .07, 8: .1, 16: .2}) == 4
     assert SpecPolicy.calibrated_max_batched_tokens({1: .01, 8: .01, 64: .012, 256: .03}) == 64
-
-
-def test_spec_policy_picks_k_by_measured_step_cost():
-    """Rule 3: with step times measured, k maximises E(k) / cost(n (k + 1)), within rules 1 and 2."""
-    cpu = ((1, .0086), (2, .0102), (4, .0173), (5, .020), (8, .024))  # a step costs per token
-    policy = SpecPolicy(num_speculative_tokens=4, max_batched_tokens=64, min_accept_prob=0.3,
-                        step_seconds=cpu)
-    # alpha 0.75: k = 1 gives 1.75 / 10.2 ms = 172 tok/s; k = 4 gives 3.05 / 20 ms = 153 tok/s
-    assert policy.num_drafts(_req(), 1) == 1
-    assert policy.cheapest_num_drafts(0.75, 1, 4) == 1
-    # alpha 0.95: k = 4 gives 4.52 / 20 ms = 226 tok/s against k = 1's 1.95 / 10.2 ms = 191 tok/s
-    assert policy.num_drafts(_req(spec_accept_num=19.0, spec_accept_den=20.0), 1) == 4
-    # rule 1 still bounds it (alpha 0.6 -> 2 at most), and alpha 0 drafts nothing
-    assert policy.cheapest_num_drafts(0.6, 1, 2) == 1
-    assert policy.num_drafts(_req(spec_accept_num=0.0, spec_accept_den=4.0), 1) == 0
-    # a step of more tokens than any timed one is never chosen: 3 requests x 3 tokens > 8
-    assert policy.cheapest_num_drafts(0.99, 3, 4) == 1
-    # a device whose step costs the same up to many tokens: rule 1's k
-    flat = SpecPolicy(4, 64, 0.3, step_seconds=((1, .01), (2, .01), (4, .01), (8, .01), (64, .011)))
-    assert flat.num_drafts(_req(), 1) == SpecPolicy(4, 64, 0.3).num_drafts(_req(), 1) == 4
-    # 8 requests where 16 tokens cost what 8 do and 32 twice that: one draft each
-    batch = SpecPolicy(4, 64, 0.3, step_seconds=((8, .01), (16, .01), (32, .02), (64, .04)))
-    assert batch.num_drafts(_req(), 8) == 1
-    assert batch.step_cost(9) == .01 and batch.step_cost(17) == .02 and batch.step_cost(65) is None
-
-
-def test_calibration_gives_the_policy_step_times(tiny_ngram_llm, monkeypatch):
-    """warmup()'s calibration times each token bucket's step (here a stand-in that takes 1 ms +
-    0.1 ms a token) and hands the times to the policy, ascending, with rule 2's budget."""
-    eng = tiny_ngram_llm.engine
-    before = eng.scheduler.spec_policy
-    timed = []
-
-    def execute(si):
-        timed.append(si.shape[0])
-        time.sleep(1e-3 + 1e-4 * si.shape[0])
-
-    monkeypatch.setattr(eng.runner, "execute", execute)
-    try:
-        budget = eng.calibrate_speculation()
-        policy = eng.scheduler.spec_policy
-        tokens = [t for t, _ in policy.step_seconds]
-        assert tokens == sorted(eng.buckets.token_buckets) == sorted(set(timed))
-        assert all(1e-3 + 1e-4 * t <= s < 0.5 for t, s in policy.step_seconds)
-        first = policy.step_seconds[0][1]
-        assert budget == policy.max_batched_tokens == max(
-            t for t, s in policy.step_seconds if s <= 1.5 * first)
-    finally:
-        eng.scheduler.spec_policy = before
 
 
 def test_check_draft_compatible():

@@ -32,7 +32,6 @@ from jaxinfer.structured import GrammarCompiler, bitmask_words
 from jaxinfer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-CALIBRATION_RUNS = 3  # timed runs of each step shape when calibrating speculation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,23 +309,18 @@ class LLMEngine:
 
     def calibrate_speculation(self) -> int:
         """Times one (compiled) all-padding step per token bucket and sets the policy's budget of
-        decode + draft tokens per step to the device's knee (sched/spec_policy.py, rule 2), and
-        gives the policy those times to choose each request's drafts by (rule 3)."""
+        decode + draft tokens per step to the device's knee (sched/spec_policy.py, rule 2)."""
         seconds: dict[int, float] = {}
         for si in warmup_step_inputs(self.engine_config, self.max_model_len, buckets=self.buckets):
             if si.spec_row_ids is not None:
                 continue
             self.runner.execute(si)  # compiled, and caches warm
-            best = float("inf")
-            for _ in range(CALIBRATION_RUNS):  # the fastest of a few: other load only adds time
-                t0 = time.perf_counter()
-                self.runner.execute(si)
-                best = min(best, time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            self.runner.execute(si)
             num_tokens = si.shape[0]
-            seconds[num_tokens] = max(seconds.get(num_tokens, 0.0), best)
+            seconds[num_tokens] = max(seconds.get(num_tokens, 0.0), time.perf_counter() - t0)
         budget = SpecPolicy.calibrated_max_batched_tokens(seconds)
-        self.scheduler.spec_policy = dataclasses.replace(
-            self.spec_policy, max_batched_tokens=budget, step_seconds=tuple(sorted(seconds.items())))
+        self.scheduler.spec_policy = dataclasses.replace(self.spec_policy, max_batched_tokens=budget)
         logger.info("speculation: up to %d decode + draft tokens per step (step seconds %s)",
                     budget, {t: round(s, 4) for t, s in sorted(seconds.items())})
         return budget

@@ -25,16 +25,6 @@ limit and max_tokens:
    speculate and batches do not; where steps stay latency-bound to hundreds of tokens (a GPU, a
    small model) batches speculate too.
 
-3. By measured step cost, once `LLMEngine.warmup()` has timed a step of each token bucket
-   (`step_seconds`): within rules 1 and 2's bounds, k maximises the expected tokens per second,
-   E(k) / cost(n (k + 1)), where E(k) = 1 + alpha + ... + alpha**k is the tokens a verification
-   of k drafts yields (the accepted drafts and the one sampled after them) and cost(t) the time
-   of the smallest timed step of t tokens or more. Where a step's time grows with its tokens
-   (a CPU, whose few-row matmuls cost nearly per row) that is often k = 1 even for a request
-   that copies well: at T = 1, 2, 5 steps of 8.6, 10.2 and 17.3 ms and alpha 0.75, one draft
-   gives 1.75 tokens per 10.2 ms and four give 3.05 per 17.3 ms. Where steps cost the same up to
-   many tokens (a GPU) it is rule 1's k.
-
 Requests opt in or out with `SamplingParams.spec_decode` (None: the engine's default, which is on
 when a speculative method is configured).
 """
@@ -61,9 +51,6 @@ class SpecPolicy:
     max_batched_tokens: int = 64  # decode + draft tokens per step (rule 2)
     min_accept_prob: float = 0.3  # rule 1's threshold on alpha**j
     draft_lookahead: bool = False  # a draft model writes its drafts' K/V in the step: hold pages
-    # rule 3: measured seconds of a step by its token bucket, ((tokens, seconds), ...) ascending;
-    # empty until calibrated (then rules 1 and 2 alone decide)
-    step_seconds: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def from_config(cls, ec: EngineConfig) -> "SpecPolicy | None":
@@ -106,31 +93,7 @@ class SpecPolicy:
         base = step_seconds[min(step_seconds)]
         return max(t for t, s in step_seconds.items() if s <= KNEE_SLOWDOWN * base)
 
-    # -- rule 3 -----------------------------------------------------------------------------
-    def step_cost(self, num_tokens: int) -> float | None:
-        """Seconds of the smallest timed step of at least `num_tokens` tokens (None: none is)."""
-        for tokens, seconds in self.step_seconds:
-            if tokens >= num_tokens:
-                return seconds
-        return None
-
-    def cheapest_num_drafts(self, alpha: float, num_requests: int, k_max: int) -> int:
-        """The k in [0, k_max] with the most expected tokens per second of step time, when every
-        one of `num_requests` requests verifies k drafts (the smaller k on a tie)."""
-        n = max(num_requests, 1)
-        best_k, best_rate = 0, 0.0
-        expected = 0.0  # E(k) = 1 + alpha + ... + alpha**k
-        for k in range(k_max + 1):
-            expected += alpha ** k
-            cost = self.step_cost(n * (k + 1))
-            if cost is None:
-                break
-            rate = expected / max(cost, 1e-9)
-            if rate > best_rate * (1.0 + 1e-9):
-                best_k, best_rate = k, rate
-        return best_k
-
-    # -- all rules ---------------------------------------------------------------------------
+    # -- both rules -------------------------------------------------------------------------
     def max_drafts_for_batch(self, num_requests: int) -> int:
         return max(0, self.max_batched_tokens // max(num_requests, 1) - 1)
 
@@ -139,10 +102,7 @@ class SpecPolicy:
         if not req.spec_enabled:
             return 0
         k_batch = min(self.num_speculative_tokens, self.max_drafts_for_batch(num_requests))
-        alpha = self.acceptance(req)
-        k = min(k_batch, self.num_drafts_for_acceptance(alpha))
-        if k > 0 and self.step_seconds:
-            k = self.cheapest_num_drafts(alpha, num_requests, k)
+        k = min(k_batch, self.num_drafts_for_acceptance(self.acceptance(req)))
         if k == 0 and k_batch > 0 and req.spec_idle_steps >= PROBE_INTERVAL:
             return 1
         return k
