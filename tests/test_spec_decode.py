@@ -8,6 +8,7 @@ import functools
 import json
 import random
 import shutil
+import types
 
 import numpy as np
 import pytest
@@ -87,6 +88,36 @@ def test_spec_policy_adapts_k_to_acceptance_and_batch():
     # the batch budget from measured step times: the largest step within 1.5x a one-token step
     assert SpecPolicy.calibrated_max_batched_tokens({1: .05, 2: .06, 4: .07, 8: .1, 16: .2}) == 4
     assert SpecPolicy.calibrated_max_batched_tokens({1: .01, 8: .01, 64: .012, 256: .03}) == 64
+
+
+def test_calibration_sets_the_budget_from_timed_steps(tiny_ngram_llm, monkeypatch):
+    """warmup()'s calibration times one plain step per token bucket (here on a virtual clock: a
+    step of T tokens sampling R rows takes 1 ms + 0.1 ms T + 0.05 ms R) and sets rule 2's budget
+    to the largest bucket within 1.5x of a one-token step."""
+    import jaxinfer.engine.llm_engine as llm_engine
+
+    eng = tiny_ngram_llm.engine
+    before = eng.scheduler.spec_policy
+    clock = [0.0]
+    plain: dict[int, float] = {}
+
+    def execute(si):
+        num_tokens, num_rows = si.shape[0], si.logits_indices.shape[0]
+        seconds = 1e-3 + 1e-4 * num_tokens + 5e-5 * num_rows
+        clock[0] += seconds
+        assert si.spec_row_ids is None  # verifying layouts are not timed
+        plain[num_tokens] = max(plain.get(num_tokens, 0.0), seconds)
+
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    monkeypatch.setattr(llm_engine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    try:
+        budget = eng.calibrate_speculation()
+        assert sorted(plain) == sorted(eng.buckets.token_buckets)
+        expected = max(t for t, s in plain.items() if s <= 1.5 * plain[1])
+        assert budget == eng.scheduler.spec_policy.max_batched_tokens == expected
+        assert 1 < budget < max(plain)
+    finally:
+        eng.scheduler.spec_policy = before
 
 
 def test_check_draft_compatible():
