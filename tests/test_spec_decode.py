@@ -93,7 +93,7 @@ def test_spec_policy_adapts_k_to_acceptance_and_batch():
 def test_calibration_sets_the_budget_from_timed_steps(tiny_ngram_llm, monkeypatch):
     """warmup()'s calibration times one plain step per token bucket (here on a virtual clock: a
     step of T tokens sampling R rows takes 1 ms + 0.1 ms T + 0.05 ms R) and sets rule 2's budget
-    to the largest bucket within 1.5x of a one-token step."""
+    to the largest bucket within 1.5x of a one-token step, or K + 1 where that is less."""
     import jaxinfer.engine.llm_engine as llm_engine
 
     eng = tiny_ngram_llm.engine
@@ -113,9 +113,15 @@ def test_calibration_sets_the_budget_from_timed_steps(tiny_ngram_llm, monkeypatc
     try:
         budget = eng.calibrate_speculation()
         assert sorted(plain) == sorted(eng.buckets.token_buckets)
-        expected = max(t for t, s in plain.items() if s <= 1.5 * plain[1])
-        assert budget == eng.scheduler.spec_policy.max_batched_tokens == expected
-        assert 1 < budget < max(plain)
+        knee = max(t for t, s in plain.items() if s <= 1.5 * plain[1])
+        k = eng.engine_config.num_speculative_tokens
+        assert budget == eng.scheduler.spec_policy.max_batched_tokens == max(knee, k + 1)
+        assert 1 < knee < max(plain)
+        # a slower device: the knee is 1 token, and one request may still verify K drafts
+        clock[0], plain = 0.0, {}
+        monkeypatch.setattr(eng.runner, "execute", lambda si: clock.__setitem__(
+            0, clock[0] + 1e-3 * si.shape[0]))
+        assert eng.calibrate_speculation() == k + 1
     finally:
         eng.scheduler.spec_policy = before
 

@@ -309,7 +309,8 @@ class LLMEngine:
 
     def calibrate_speculation(self) -> int:
         """Times one (compiled) all-padding step per token bucket and sets the policy's budget of
-        decode + draft tokens per step to the device's knee (sched/spec_policy.py, rule 2)."""
+        decode + draft tokens per step to the device's knee (sched/spec_policy.py, rule 2), or
+        to one request's full verification (K + 1) where the knee is lower."""
         seconds: dict[int, float] = {}
         for si in warmup_step_inputs(self.engine_config, self.max_model_len, buckets=self.buckets):
             if si.spec_row_ids is not None:
@@ -319,7 +320,12 @@ class LLMEngine:
             self.runner.execute(si)
             num_tokens = si.shape[0]
             seconds[num_tokens] = max(seconds.get(num_tokens, 0.0), time.perf_counter() - t0)
-        budget = SpecPolicy.calibrated_max_batched_tokens(seconds)
+        # A single stream may always verify its K drafts (rule 1 still decides by acceptance):
+        # where a step's time grows with its tokens from the start (a CPU) the knee alone left it
+        # one draft, although 4 drafts at ~2x a one-token step's cost still pay on copy-heavy
+        # text (benchmarks/spec.py: 1.23x against 1.03-1.07x).
+        budget = max(SpecPolicy.calibrated_max_batched_tokens(seconds),
+                     self.engine_config.num_speculative_tokens + 1)
         self.scheduler.spec_policy = dataclasses.replace(self.spec_policy, max_batched_tokens=budget)
         logger.info("speculation: up to %d decode + draft tokens per step (step seconds %s)",
                     budget, {t: round(s, 4) for t, s in sorted(seconds.items())})

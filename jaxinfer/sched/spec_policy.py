@@ -20,9 +20,10 @@ limit and max_tokens:
    k <= spec_max_batched_tokens // n - 1. At 64: n <= 12 -> k = 4, 16 -> 3, 21 -> 2, 32 -> 1,
    n > 32 -> speculation off. The budget is the device's knee: `LLMEngine.warmup()` times a step
    of each token bucket and, unless spec_max_batched_tokens is set, takes the largest one whose
-   time stays within KNEE_SLOWDOWN (1.5x) of a one-token step (64 until then). Where a step's
-   time grows with its tokens from the start (a small CPU) the budget is small, so single streams
-   speculate and batches do not; where steps stay latency-bound to hundreds of tokens (a GPU, a
+   time stays within KNEE_SLOWDOWN (1.5x) of a one-token step (64 until then), but never less
+   than K + 1, one request's full verification. Where a step's time grows with its tokens from
+   the start (a small CPU) the budget is then K + 1, so single streams speculate and batches do
+   not; where steps stay latency-bound to hundreds of tokens (a GPU, a
    small model) batches speculate too.
 
 Requests opt in or out with `SamplingParams.spec_decode` (None: the engine's default, which is on
