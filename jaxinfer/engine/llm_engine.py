@@ -323,7 +323,7 @@ class LLMEngine:
         # A single stream may always verify its K drafts (rule 1 still decides by acceptance):
         # where a step's time grows with its tokens from the start (a CPU) the knee alone left it
         # one draft, although 4 drafts at ~2x a one-token step's cost still pay on copy-heavy
-        # text (benchmarks/spec.py: 1.23x against 1.03-1.07x).
+        # text (docs/performance.md, the speculation table).
         budget = max(SpecPolicy.calibrated_max_batched_tokens(seconds),
                      self.engine_config.num_speculative_tokens + 1)
         self.scheduler.spec_policy = dataclasses.replace(self.spec_policy, max_batched_tokens=budget)

@@ -23,8 +23,8 @@ limit and max_tokens:
    time stays within KNEE_SLOWDOWN (1.5x) of a one-token step (64 until then), but never less
    than K + 1, one request's full verification. Where a step's time grows with its tokens from
    the start (a small CPU) the budget is then K + 1, so single streams speculate and batches do
-   not; where steps stay latency-bound to hundreds of tokens (a GPU, a
-   small model) batches speculate too.
+   not; where steps stay latency-bound to hundreds of tokens (a GPU, a small model) batches
+   speculate too.
 
 Requests opt in or out with `SamplingParams.spec_decode` (None: the engine's default, which is on
 when a speculative method is configured).
