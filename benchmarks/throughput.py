@@ -3,7 +3,7 @@
     python benchmarks/throughput.py [--num-requests 256] [--prefix-requests 64] [--model smollm2-135m]
 
 Workload (fixed seed): prompt lengths uniform in [16, 1024] tokens, output lengths from an
-exponential (mean 128) capped at 512, greedy with ignore_eos so lengths are exact. Both modes run
+exponential (mean 128) capped at 512, greedy with ignore_eos so lengths are exact. All modes run
 the same requests through the same step and kernels. "static" admits a new batch only when the
 whole previous batch has finished; a finished request leaves the batch, so the batch's steps
 shrink as it drains. "static-padded" is request-level batching as transformers' `generate` and

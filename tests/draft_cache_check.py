@@ -13,7 +13,7 @@ from tests.test_executable_cache import SETTINGS, _cached_llm, _num_buckets, _ou
 # a step and one draft per sequence (with SETTINGS' 2 sequences) and a one-layer draft keep the
 # buckets few (12 executables; 46 with the former 4 sequences, 8 tokens a step and 2 drafts)
 # while the steps still verify drafts of two sequences at once.
-SMALL = dict(max_num_seqs=2, max_num_batched_tokens=2)
+SMALL = dict(max_num_batched_tokens=2)
 
 
 def test_draft_model_steps_are_compiled_not_loaded(tiny_llama_dir, tmp_path, monkeypatch, caplog):

@@ -118,7 +118,7 @@ def test_calibration_sets_the_budget_from_timed_steps(tiny_ngram_llm, monkeypatc
         assert budget == eng.scheduler.spec_policy.max_batched_tokens == max(knee, k + 1)
         assert 1 < knee < max(plain)
         # a slower device: the knee is 1 token, and one request may still verify K drafts
-        clock[0], plain = 0.0, {}
+        clock[0] = 0.0
         monkeypatch.setattr(eng.runner, "execute", lambda si: clock.__setitem__(
             0, clock[0] + 1e-3 * si.shape[0]))
         assert eng.calibrate_speculation() == k + 1

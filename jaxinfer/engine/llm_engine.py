@@ -320,13 +320,8 @@ class LLMEngine:
             self.runner.execute(si)
             num_tokens = si.shape[0]
             seconds[num_tokens] = max(seconds.get(num_tokens, 0.0), time.perf_counter() - t0)
-        # A single stream may always verify its K drafts (rule 1 still decides by acceptance):
-        # where a step's time grows with its tokens from the start (a CPU) the knee alone left it
-        # one draft, although 4 drafts at ~2x a one-token step's cost still pay on copy-heavy
-        # text (docs/performance.md, the speculation table).
-        budget = max(SpecPolicy.calibrated_max_batched_tokens(seconds),
-                     self.engine_config.num_speculative_tokens + 1)
-        self.scheduler.spec_policy = dataclasses.replace(self.spec_policy, max_batched_tokens=budget)
+        self.scheduler.spec_policy = self.spec_policy.calibrated(seconds)
+        budget = self.scheduler.spec_policy.max_batched_tokens
         logger.info("speculation: up to %d decode + draft tokens per step (step seconds %s)",
                     budget, {t: round(s, 4) for t, s in sorted(seconds.items())})
         return budget

@@ -94,6 +94,16 @@ class SpecPolicy:
         base = step_seconds[min(step_seconds)]
         return max(t for t, s in step_seconds.items() if s <= KNEE_SLOWDOWN * base)
 
+    def calibrated(self, step_seconds: dict[int, float]) -> "SpecPolicy":
+        """This policy with rule 2's budget from measured step times: the knee, but never less
+        than K + 1, so a single stream may always verify its K drafts (rule 1 still decides by
+        acceptance). Where a step's time grows from its first token (a CPU) the knee alone left
+        one draft, though 4 drafts at ~2x a one-token step's cost still pay on copy-heavy text
+        (docs/performance.md, the speculation table)."""
+        budget = max(self.calibrated_max_batched_tokens(step_seconds),
+                     self.num_speculative_tokens + 1)
+        return dataclasses.replace(self, max_batched_tokens=budget)
+
     # -- both rules -------------------------------------------------------------------------
     def max_drafts_for_batch(self, num_requests: int) -> int:
         return max(0, self.max_batched_tokens // max(num_requests, 1) - 1)
