@@ -119,16 +119,17 @@ def test_batch_validation_and_limits(tmp_path):
 
 
 def test_a_batch_past_its_expiry_ends_expired_with_its_unanswered_lines_failed(tmp_path):
-    cfg = FilesConfig(data_dir=str(tmp_path), expiry_s=1, max_in_flight=2)
-    engine = FakeEngine(step_delay_s=0.02)
+    # r0, r1 take 3 steps of 20 ms and have the whole 3 s; r2..r5 would take 20 s
+    cfg = FilesConfig(data_dir=str(tmp_path), expiry_s=3, max_in_flight=2)
+    engine = FakeEngine(step_delay_s=0.02, max_model_len=2048)
     with app_client(engine, files=cfg) as client:
-        short, long = batch_lines(6, max_tokens=3), batch_lines(6, max_tokens=200)
+        short, long = batch_lines(6, max_tokens=3), batch_lines(6, max_tokens=1000)
         lines = short.splitlines(keepends=True)[:2] + long.splitlines(keepends=True)[2:]
         f = upload(client, b"".join(lines)).json()  # r0, r1 finish at once; r2..r5 cannot
         b = client.post("/v1/batches", json={"input_file_id": f["id"],
                                              "endpoint": "/v1/chat/completions",
                                              "completion_window": "24h"}).json()
-        assert b["expires_at"] == b["created_at"] + 1
+        assert b["expires_at"] == b["created_at"] + 3
         b = wait_final(client, b["id"])
         assert b["status"] == "expired" and b["expired_at"] >= b["expires_at"]
         assert b["completed_at"] is None
