@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--int8-activations", action="store_true",
+                    help="also the kernel with x rounded to int8 (integer dot products)")
     args = ap.parse_args(argv)
     if not cpu_quant.available():
         print("the CPU kernels are not available here")
@@ -63,24 +65,34 @@ def main(argv=None) -> int:
     quantized = [[codes(rng, k, n) for k, n in SHAPES] for _ in range(LAYERS)]
     dense = [[jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02) for k, n in SHAPES]
              for _ in range(LAYERS)]
-    kernel = layers(lambda x, w: cpu_quant.quant_matmul(x, *w, bits=4, group_size=32))
-    xla = layers(jnp.dot)
+    runs = {"kernel": (layers(lambda x, w: cpu_quant.quant_matmul(x, *w, bits=4, group_size=32)),
+                       quantized),
+            "xla": (layers(jnp.dot), dense)}
+    if args.int8_activations:
+        runs["q8"] = (layers(lambda x, w: cpu_quant.quant_matmul(
+            x, *w, bits=4, group_size=32, int8_activations=True)), quantized)
     print(f"SmolLM2-135M's 30 layers of weight matmuls, one jitted call ({jax.devices()[0]}, "
           f"{os.cpu_count()} cores; best of {args.rounds} rounds, interleaved)")
-    print("| rows | C++ kernel on int4 codes, ms | XLA dense f32, ms | dense / kernel |")
-    print("|---|---|---|---|")
+    head = "| rows | C++ kernel on int4 codes, ms | XLA dense f32, ms | dense / kernel |"
+    if args.int8_activations:
+        head += " int8 activations, ms | kernel / int8 activations |"
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
     for m in (int(r) for r in args.rows.split(",")):
-        x = jnp.full((m, HIDDEN), 0.01, jnp.float32)
-        best = {"kernel": float("inf"), "xla": float("inf")}
-        for fn, w in ((kernel, quantized), (xla, dense)):
+        x = jnp.asarray(np.random.default_rng(m).standard_normal((m, HIDDEN)) * 0.01, jnp.float32)
+        best = dict.fromkeys(runs, float("inf"))
+        for fn, w in runs.values():
             fn(x, w).block_until_ready()  # compile
         for _ in range(args.rounds):
-            for name, fn, w in (("kernel", kernel, quantized), ("xla", xla, dense)):
+            for name, (fn, w) in runs.items():
                 t0 = time.perf_counter()
                 fn(x, w).block_until_ready()
                 best[name] = min(best[name], time.perf_counter() - t0)
-        print(f"| {m} | {best['kernel'] * 1e3:.1f} | {best['xla'] * 1e3:.1f} | "
-              f"{best['xla'] / best['kernel']:.2f}x |", flush=True)
+        row = (f"| {m} | {best['kernel'] * 1e3:.1f} | {best['xla'] * 1e3:.1f} | "
+               f"{best['xla'] / best['kernel']:.2f}x |")
+        if args.int8_activations:
+            row += f" {best['q8'] * 1e3:.1f} | {best['kernel'] / best['q8']:.2f}x |"
+        print(row, flush=True)
     return 0
 
 

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "quant_params.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__F16C__) || defined(__AVX512F__)
@@ -31,6 +32,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxinfer::half_to_float;
+using jaxinfer::load_params;
+#if defined(__AVX512F__)
+using jaxinfer::load_param16;
+#endif
+
 constexpr int64_t kCols = 32;          // output columns in registers at once
 constexpr int64_t kItemCols = 256;     // output columns per work item
 constexpr int kRows = 4;               // rows of x per pass over a column block
@@ -38,47 +45,6 @@ constexpr int kRows = 4;               // rows of x per pass over a column block
 // hardware prefetchers do not follow across pages, so the kernel asks for them itself (a
 // single-row product of SmolLM2's weights: 16.5 -> 10 ms).
 constexpr int64_t kPrefetchRows = 16;
-
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = (h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, u;
-  if (exp == 0) {
-    if (mant == 0) {
-      u = sign;
-    } else {
-      exp = 127 - 15 + 1;
-      while (!(mant & 0x400)) {
-        mant <<= 1;
-        --exp;
-      }
-      u = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    u = sign | 0x7f800000u | (mant << 13);
-  } else {
-    u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// n values of a scale/min row (f16 or f32) as f32.
-inline void load_params(const void* row, bool f16, int64_t n, float* out) {
-  if (!f16) {
-    std::memcpy(out, row, sizeof(float) * n);
-    return;
-  }
-  const uint16_t* h = static_cast<const uint16_t*>(row);
-  int64_t i = 0;
-#if defined(__F16C__)
-  for (; i + 8 <= n; i += 8) {
-    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i));
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(v));
-  }
-#endif
-  for (; i < n; ++i) out[i] = half_to_float(h[i]);
-}
 
 struct Problem {
   const float* x;  // [M, K]
@@ -185,14 +151,6 @@ void Int4Block(const Problem& p, int64_t m0, int64_t c0) {
 // codes, half a line of int4 ones) at a time: the codes are widened and converted in
 // registers and every row's accumulators stay in registers across the group.
 constexpr int64_t kWideCols = 64;
-
-inline __m512 load_param16(const void* base, int64_t index, bool f16) {
-  if (f16) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + index)));
-  }
-  return _mm512_loadu_ps(static_cast<const float*>(base) + index);
-}
 
 inline __m512 u8_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
 inline __m512 i8_to_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }

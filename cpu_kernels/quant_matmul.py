@@ -16,6 +16,7 @@ import numpy as np
 from cpu_kernels import build
 
 COLUMN_MULTIPLE = 32  # the kernel's register block of output columns
+Q8_COLUMN_MULTIPLE = 64  # the int8-activation kernel's block of output columns
 
 
 def available() -> bool:
@@ -56,10 +57,13 @@ def quant_matmul(
     *,
     bits: int,
     group_size: int,
+    int8_activations: bool = False,
 ) -> jax.Array:  # [M, N] in x.dtype
-    """x @ dequantize(W). Raises NotImplementedError for a layout the kernel does not take (N
-    not a multiple of 32; int4 with odd K or K/2 not a multiple of the group size) or when the
-    kernel is not available on this machine."""
+    """x @ dequantize(W). `int8_activations`: x rounded to int8 per group of the weight and the
+    products taken in integers (quant_matmul_q8.cc; `quant_matmul_q8_reference` says exactly
+    what it computes). Raises NotImplementedError for a layout the kernel does not take (N not a
+    multiple of 32, or of 64 with int8 activations; int4 with odd K or K/2 not a multiple of the
+    group size) or when the kernel is not available on this machine."""
     _validate(x, values, scales, mins, bits, group_size)
     k, n = x.shape[1], values.shape[1]
     if n % COLUMN_MULTIPLE:
@@ -67,7 +71,15 @@ def quant_matmul(
     if bits == 4 and (k % 2 or (k // 2) % group_size):
         raise NotImplementedError(f"int4 with K={k}, group_size={group_size}: K/2 must be a "
                                   "multiple of the group size")
-    target = build.load("quant_matmul", "JaxinferQuantMatmul")
+    if int8_activations:
+        if n % Q8_COLUMN_MULTIPLE or k % 4 or group_size % 4 or (bits == 4 and group_size > 128):
+            raise NotImplementedError(
+                f"int8 activations with N={n}, K={k}, group_size={group_size}: N must be a "
+                f"multiple of {Q8_COLUMN_MULTIPLE}, K and the group size of 4 (int4: groups of "
+                "at most 128)")
+        target = build.load("quant_matmul_q8", "JaxinferQuantMatmulQ8")
+    else:
+        target = build.load("quant_matmul", "JaxinferQuantMatmul")
     if target is None:
         raise NotImplementedError("the CPU quantized matmul kernel is not available here")
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
@@ -89,3 +101,42 @@ def dequantize(values: jax.Array, scales: jax.Array, mins: jax.Array | None = No
     return call(values, scales, mins if mins is not None else jnp.zeros((1,), scales.dtype),
                 bits=np.int64(bits), group_size=np.int64(group_size),
                 has_mins=np.int64(mins is not None), k=np.int64(k))
+
+
+def quantize_activations_reference(x: jax.Array, group_size: int):
+    """x f32[M, K] rounded to int8 per group of K as the int8-activation kernel rounds it:
+    (int8[M, K] codes, f32[M, G] steps d = max |x| / 127 of each group, f32[M, G] exact sums)."""
+    m, k = x.shape
+    g = -(-k // group_size)
+    xg = jnp.pad(x, ((0, 0), (0, g * group_size - k))).reshape(m, g, group_size)
+    d = jnp.max(jnp.abs(xg), axis=-1) / 127.0  # [M, G]
+    inv = jnp.where(d > 0, 1.0 / jnp.where(d > 0, d, 1.0), 0.0)
+    q = jnp.round(xg * inv[..., None]).astype(jnp.int8).reshape(m, g * group_size)[:, :k]
+    return q, d, jnp.sum(xg, axis=-1)
+
+
+def quant_matmul_q8_reference(x, values, scales, mins=None, *, bits: int,
+                              group_size: int) -> jax.Array:
+    """Plain jnp: what `quant_matmul(..., int8_activations=True)` computes. Each group's dot
+    product of the int8 x and the weight's integer codes is exact (int32); it is scaled by the
+    weight's scale and x's step, plus min x the exact sum of x's group (int4; symmetric codes
+    are offset by 8 through min = -8 scale)."""
+    x = x.astype(jnp.float32)
+    m, k = x.shape
+    n = values.shape[1]
+    g = -(-k // group_size)
+    xq, d, sums = quantize_activations_reference(x, group_size)  # [M, K], [M, G], [M, G]
+    if bits == 8:
+        codes = values.astype(jnp.int32)  # [K, N]
+    else:
+        codes = jnp.concatenate([values & 15, values >> 4], axis=0)[:k].astype(jnp.int32)
+    xg = jnp.pad(xq.astype(jnp.int32), ((0, 0), (0, g * group_size - k))).reshape(m, g, group_size)
+    cg = jnp.pad(codes, ((0, g * group_size - k), (0, 0))).reshape(g, group_size, n)
+    dots = jnp.einsum("mgk,gkn->mgn", xg, cg, preferred_element_type=jnp.int32)  # [M, G, N] exact
+    scales = scales.astype(jnp.float32)
+    y = jnp.einsum("mgn,gn->mn", dots.astype(jnp.float32) * d[..., None], scales,
+                   precision=jax.lax.Precision.HIGHEST)
+    if bits == 4:
+        offset = mins.astype(jnp.float32) if mins is not None else -8.0 * scales  # [G, N]
+        y = y + jnp.einsum("mg,gn->mn", sums, offset, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x.dtype)

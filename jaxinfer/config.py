@@ -240,6 +240,10 @@ class EngineConfig:
     quant_group_size: Literal[32, 64, 128] = 32  # int4: rows of K per scale
     # also quantize the LM head / tied embeddings (int8, or int4 with GPTQ)
     quantize_lm_head: bool = False
+    # CPU kernels: multiply the quantized weights by x rounded to int8 per group of K (integer
+    # dot products, as llama.cpp does): a few rows cost little more than one, at a small cost in
+    # quality (docs/performance.md has the perplexity); off: x stays float32
+    int8_activations: bool = False
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights of the model's shapes
     seed: int = 0  # seeds of requests that bring none
     # Speculative decoding (jaxinfer/runtime/spec_decode.py; the policy in jaxinfer/sched/spec_policy.py)

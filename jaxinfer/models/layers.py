@@ -143,6 +143,7 @@ class QuantizedLinear(Linear):
         self.mins = None if qweight.mins is None else nnx.Param(qweight.mins)
         self.dense = None if dense is None else nnx.Param(dense)  # [..., K, N]
         self.bias = bias
+        self.int8_activations = False  # static: see ops.quantized_matmul
 
     @property
     def qweight(self):
@@ -153,7 +154,8 @@ class QuantizedLinear(Linear):
     def matmul(self, x: jax.Array) -> jax.Array:
         return ops.quantized_matmul(x.astype(self.dtype), self.qweight, backend=self.backend,
                                     dense=None if self.dense is None else self.dense[...],
-                                    mesh=self.mesh, split=self.tp_split)
+                                    mesh=self.mesh, split=self.tp_split,
+                                    int8_activations=self.int8_activations)
 
 
 class QuantizedEmbed(Embed):
@@ -174,6 +176,7 @@ class QuantizedEmbed(Embed):
         self.scales = nnx.Param(qweight.scales)
         self.mins = None if qweight.mins is None else nnx.Param(qweight.mins)
         self.dense = None if dense is None else nnx.Param(dense)  # [num_embeddings, features]
+        self.int8_activations = False  # static: see ops.quantized_matmul
 
     @property
     def qweight(self):
@@ -189,16 +192,19 @@ class QuantizedEmbed(Embed):
     def attend(self, x: jax.Array) -> jax.Array:
         dense = None if self.dense is None else self.dense[...].T  # [features, num_embeddings]
         return ops.quantized_matmul(x.astype(self.dtype), self.qweight, backend=self.backend,
-                                    dense=dense, mesh=self.mesh,
-                                    split=self.tp_split).astype(jnp.float32)
+                                    dense=dense, mesh=self.mesh, split=self.tp_split,
+                                    int8_activations=self.int8_activations).astype(jnp.float32)
 
 
-def set_quantized_matmul_backend(model: nnx.Module, backend: str) -> nnx.Module:
+def set_quantized_matmul_backend(model: nnx.Module, backend: str, *,
+                                 int8_activations: bool = False) -> nnx.Module:
     """Point every QuantizedLinear / QuantizedEmbed of `model` at `backend` (in place), e.g.
-    for a model restored from a pre-quantized checkpoint; returns the model."""
+    for a model restored from a pre-quantized checkpoint, with x rounded to int8 or not (see
+    ops.quantized_matmul); returns the model."""
     if backend not in ops.BACKENDS:
         raise ValueError(f"{backend=} must be one of {ops.BACKENDS}")
     for _, module in nnx.iter_modules(model):
         if isinstance(module, (QuantizedLinear, QuantizedEmbed)):
             module.backend = backend
+            module.int8_activations = int8_activations
     return model

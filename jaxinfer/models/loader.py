@@ -22,13 +22,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxinfer import disk_cache
+from jaxinfer import disk_cache, ops
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.models import quant_checkpoint, weight_cache
 from jaxinfer.models.quant_checkpoint import save_quantized
 from jaxinfer.models.gguf_file import (GGUFTensors, model_config_from_gguf, open_gguf,
                                       read_model_config)
-from jaxinfer.models.layers import set_quantized_matmul_backend
+from jaxinfer.models.layers import (QuantizedEmbed, QuantizedLinear,
+                                    set_quantized_matmul_backend)
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.quantize import QuantConfig, quantize_model
 from jaxinfer.models.safetensors_dir import SafetensorsDir
@@ -154,6 +155,22 @@ def load_model(path_or_name: str | os.PathLike,
                engine_config: EngineConfig | None = None) -> tuple[ModelConfig, LlamaForCausalLM]:
     """(ModelConfig, model) with params in engine_config.dtype (float32 by default)."""
     engine_config = engine_config or EngineConfig()
+    config, model = _load_model(path_or_name, engine_config)
+    if engine_config.int8_activations:
+        backend = ops.resolve_backend(engine_config.attention_backend)
+        if backend != "cpu":
+            raise ValueError("int8_activations runs on the CPU kernels only; attention_backend="
+                             f"{engine_config.attention_backend!r} resolves to {backend!r}")
+        if not any(isinstance(m, (QuantizedLinear, QuantizedEmbed))
+                   for _, m in nnx.iter_modules(model)):
+            raise ValueError("int8_activations needs quantized weights (quantization='auto' with "
+                             f"a GGUF file, 'int8' or 'int4'); {path_or_name} was loaded with "
+                             f"quantization={engine_config.quantization!r} and has none")
+        set_quantized_matmul_backend(model, backend, int8_activations=True)
+    return config, model
+
+
+def _load_model(path_or_name, engine_config: EngineConfig) -> tuple[ModelConfig, LlamaForCausalLM]:
     dtype = jnp.dtype(engine_config.dtype)
     if engine_config.load_format == "dummy":
         config = load_model_config(path_or_name)

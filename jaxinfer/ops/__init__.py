@@ -201,7 +201,7 @@ def _attention_local(q, k_cache, v_cache, layer, md: AttentionMetadata, k_scale,
 
 def quantized_matmul(x: jax.Array, qweight: QuantizedWeight, *, backend: str = "auto",
                      dense: jax.Array | None = None, mesh: Mesh | None = None,
-                     split: str | None = None) -> jax.Array:
+                     split: str | None = None, int8_activations: bool = False) -> jax.Array:
     """x: [..., K] @ a QuantizedWeight [K, N] (int8 / int4, one matrix) -> [..., N] in x.dtype.
     "pallas": the Pallas kernel; "cpu": the C++ kernel for a few rows, else the weight
     dequantized by the C++ kernel and XLA's matmul; "xla": dequantized inside the jit. A layout a
@@ -210,18 +210,29 @@ def quantized_matmul(x: jax.Array, qweight: QuantizedWeight, *, backend: str = "
     cpu_quant.dense_faster_above_rows() use it instead of the codes. `mesh`, `split`: the
     tensor-parallel mesh the weight is placed on and how ("column" / "row",
     sharded_matmul.py); on "cpu" and "pallas" each device then multiplies by its own share
-    (a "column" result is split by column, a "row" result summed over the devices)."""
+    (a "column" result is split by column, a "row" result summed over the devices).
+    `int8_activations` (the "cpu" backend): x rounded to int8 per group and integer products at
+    every row count (cpu_quant.quant_matmul_q8_reference); other backends ignore it."""
     backend = resolve_backend(backend)
-    matmul = functools.partial(_quantized_matmul_local, backend=backend)
+    matmul = functools.partial(_quantized_matmul_local, backend=backend,
+                               int8_activations=int8_activations)
     if backend != "xla" and split is not None and num_shards(mesh) > 1:
         return matmul_per_shard(matmul, mesh, x, qweight, dense, split)
     return matmul(x, qweight, dense)
 
 
 def _quantized_matmul_local(x: jax.Array, qweight: QuantizedWeight, dense: jax.Array | None, *,
-                            backend: str) -> jax.Array:
+                            backend: str, int8_activations: bool = False) -> jax.Array:
     k, n = qweight.shape
     rows = x.reshape(-1, k) if x.shape[-1] == k else None  # [M, K]
+    if int8_activations and backend == "cpu" and qweight.values.ndim == 2 and rows is not None:
+        q = qweight  # every row count through the same kernel: a row's result never depends on M
+        try:
+            y = cpu_quant.quant_matmul(rows, q.values, q.scales, q.mins, bits=q.bits,
+                                       group_size=q.group_size, int8_activations=True)
+            return y.reshape(*x.shape[:-1], n)
+        except NotImplementedError as e:
+            _fall_back("quant_matmul (cpu, int8 activations)", e)
     dense_above = cpu_quant.dense_faster_above_rows() if backend == "cpu" else None
     if dense is not None and dense_above is not None and rows is not None and \
             rows.shape[0] > dense_above:

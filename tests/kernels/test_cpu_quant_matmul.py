@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.quant_matmul import available, dequantize, quant_matmul
+from cpu_kernels.quant_matmul import (available, dequantize, quant_matmul,
+                                      quant_matmul_q8_reference, quantize_activations_reference)
 from jaxinfer import quant
 from pallas_kernels.quant_matmul import quant_matmul_reference
 
@@ -110,3 +111,64 @@ def test_independent_calls_in_one_step_do_not_wait_on_each_other():
     for out, qw in zip(outs, qws):
         ref = quant_matmul_reference(x, qw.values, qw.scales, bits=8, group_size=32)
         assert float(jnp.abs(out - ref).max() / jnp.abs(ref).max()) < TOL
+
+
+def _kinds(k=576, n=320, seed=0):
+    w = _weight(k, n, seed)
+    return {"int8 g32": lambda: quant.quantize_int8(w, 32),
+            "int8 channel": lambda: quant.quantize_int8(w),  # one group of 576: parts of 32
+            "int4 asym g32": lambda: quant.quantize_int4(w, 32, symmetric=False),
+            "int4 sym g32": lambda: quant.quantize_int4(w, 32, symmetric=True),
+            "int4 asym g64 f32 scales": lambda: quant.quantize_int4(
+                _weight(640, n, seed), 64, symmetric=False, scale_dtype=jnp.float32),
+            "int4 asym g128": lambda: quant.quantize_int4(_weight(1024, n, seed), 128,
+                                                          symmetric=False)}
+
+
+def _q8(qw, x):
+    return jax.jit(lambda x, v, s, mi: quant_matmul(
+        x, v, s, mi, bits=qw.bits, group_size=qw.group_size, int8_activations=True))(
+        x, qw.values, qw.scales, qw.mins)
+
+
+# N = 320: a work item of 4 blocks of 64 columns and one of 1; rows in tiles of 3 and a tail
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 70])
+@pytest.mark.parametrize("kind", list(_kinds()))
+def test_int8_activations_match_their_reference(kind, m):
+    qw = _kinds()[kind]()
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, qw.shape[0])), jnp.float32)
+    y = _q8(qw, x)
+    ref = quant_matmul_q8_reference(x, qw.values, qw.scales, qw.mins, bits=qw.bits,
+                                    group_size=qw.group_size)
+    assert y.shape == (m, qw.shape[1])
+    assert float(jnp.abs(y - ref).max() / jnp.abs(ref).max()) < TOL
+    # and it is x @ W up to x's rounding to int8 (~1% of the output's scale), not something else
+    full = quant_matmul_reference(x, qw.values, qw.scales, qw.mins, bits=qw.bits,
+                                  group_size=qw.group_size)
+    assert 1e-4 < float(jnp.abs(y - full).max() / jnp.abs(full).max()) < 0.05
+
+
+def test_int8_activations_round_x_per_group_as_the_reference_does():
+    x = jnp.asarray([[0.5, -1.27, 0.01, 0.0] * 8 + [0.0] * 32], jnp.float32)  # 2 groups of 32
+    q, d, sums = quantize_activations_reference(x, 32)
+    assert q[0, :4].tolist() == [50, -127, 1, 0] and q[0, 32:].tolist() == [0] * 32
+    np.testing.assert_allclose(np.asarray(d), [[1.27 / 127, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(sums), [[(0.5 - 1.27 + 0.01) * 8, 0.0]], rtol=1e-5)
+
+
+def test_int8_activations_give_a_row_the_same_result_at_any_row_count():
+    """Batch invariance: a row's result does not depend on the rows beside it (tiles of 3, 2, 1)."""
+    for kind in ("int4 asym g32", "int8 g32"):
+        qw = _kinds()[kind]()
+        x = jnp.asarray(np.random.default_rng(9).standard_normal((7, 576)), jnp.float32)
+        whole = np.asarray(_q8(qw, x))
+        for i in range(7):
+            np.testing.assert_array_equal(np.asarray(_q8(qw, x[i:i + 1]))[0], whole[i])
+        np.testing.assert_array_equal(np.asarray(_q8(qw, x[2:4])), whole[2:4])
+
+
+def test_int8_activations_layouts_they_do_not_take_raise_not_implemented():
+    x = jnp.ones((1, 576), jnp.float32)
+    q8 = quant.quantize_int8(_weight(576, 96), 32)  # N = 96: a multiple of 32, not of 64
+    with pytest.raises(NotImplementedError, match="multiple of 64"):
+        quant_matmul(x, q8.values, q8.scales, bits=8, group_size=32, int8_activations=True)

@@ -1,0 +1,385 @@
+// y = x @ W for a quantized weight W[K, N] with x rounded to 8 bits (an XLA FFI custom call,
+// quant_matmul.py's `int8_activations`): the products are integer dot products, as llama.cpp
+// computes them, instead of f32 multiply-adds.
+//
+// Each row of x is quantized per group of the weight's K (the weight's own groups), symmetric:
+//   d[m, g] = max_{k in g} |x[m, k]| / 127,   xq[m, k] = round(x[m, k] / d[m, g])  (int8)
+// and each group's integer dot product is exact in int32, then scaled in f32:
+//   y[m, n] = sum_g scale[g, n] d[m, g] sum_{k in g} xq[m, k] q[k, n]
+//             (+ min[g, n] sum_{k in g} x[m, k]: the exact sum of x, for asymmetric int4)
+// with q the weight's codes as stored (int4 0..15, symmetric ones offset by 8 through the
+// minimum term, min = -8 scale; int8 -127..127). The weight layout is QuantizedWeight's (see
+// quant_matmul.cc). This changes the numbers (x is rounded to ~2 significant digits per group),
+// so it is an opt-in: `jaxinfer eval-ppl` measures what it costs.
+//
+// Why: with AVX-512 VNNI a vpdpbusd multiplies 64 byte pairs and sums them by four into 16
+// int32 lanes, four times the multiply-adds of an f32 FMA, so a few rows of x (a speculative
+// verification, a small batch) cost little more than one. The codes of 4 consecutive rows of K
+// are interleaved so each int32 lane holds one column's 4 codes (byte unpacks of the 64-column
+// rows), once per group of K and 64 columns into a buffer in L1; every row of x then runs over
+// that buffer in tiles of up to 3 rows, a broadcast of its 4 int8 values against each vector.
+// Without VNNI a plain C++ loop computes the same sums.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "parallel.h"
+#include "quant_params.h"
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using jaxinfer::load_params;
+
+constexpr int64_t kCols = 64;  // output columns of a work item
+
+struct Problem {
+  const void* values;
+  const void* scales;
+  const void* mins;  // nullptr: symmetric (or int8)
+  bool f16_params;
+  int bits;
+  int64_t m, k, n, group_size;
+  // x quantized (QuantizeRows)
+  const int8_t* xq;   // [M, K]
+  const uint8_t* xu;  // [M, K] xq + 128 (int8 weights: vpdpbusd takes one unsigned side)
+  const float* xd;    // [M, G] the step d of each row's group
+  const float* xs;    // [M, G] the exact sum of each row's group of x
+  int64_t num_groups;
+};
+
+void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t gs, int8_t* xq, uint8_t* xu,
+                  float* xd, float* xs) {
+  const int64_t num_groups = (k + gs - 1) / gs;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const int64_t k0 = g * gs, k1 = std::min(k, k0 + gs);
+      const float* row = x + r * k;
+      float amax = 0.0f, sum = 0.0f;
+      for (int64_t i = k0; i < k1; ++i) {
+        amax = std::max(amax, std::fabs(row[i]));
+        sum += row[i];
+      }
+      const float d = amax / 127.0f;
+      const float inv = d > 0.0f ? 1.0f / d : 0.0f;
+      for (int64_t i = k0; i < k1; ++i) {
+        const int q = static_cast<int>(std::nearbyint(row[i] * inv));
+        xq[r * k + i] = static_cast<int8_t>(q);
+        xu[r * k + i] = static_cast<uint8_t>(q + 128);
+      }
+      xd[r * num_groups + g] = d;
+      xs[r * num_groups + g] = sum;
+    }
+  }
+}
+
+inline int Code(const Problem& p, int64_t kk, int64_t col) {
+  if (p.bits == 8) return static_cast<const int8_t*>(p.values)[kk * p.n + col];
+  const int64_t kh = p.k / 2;
+  const uint8_t byte = static_cast<const uint8_t*>(p.values)[(kk % kh) * p.n + col];
+  return kk < kh ? (byte & 15) : (byte >> 4);
+}
+
+// The same sums in plain loops: columns [c0, c1), every row (CPUs without AVX-512 VNNI).
+void PlainColumns(const Problem& p, float* y, int64_t c0, int64_t c1) {
+  const int64_t gs = p.group_size, width = c1 - c0;
+  const size_t psize = p.f16_params ? 2 : 4;
+  std::vector<float> scale(width), minimum(width, 0.0f);
+  std::vector<int32_t> dot(width);
+  for (int64_t r = 0; r < p.m; ++r)
+    for (int64_t j = 0; j < width; ++j) y[r * p.n + c0 + j] = 0.0f;
+  for (int64_t g = 0; g < p.num_groups; ++g) {
+    load_params(static_cast<const char*>(p.scales) + (g * p.n + c0) * psize, p.f16_params, width,
+                scale.data());
+    if (p.mins != nullptr) {
+      load_params(static_cast<const char*>(p.mins) + (g * p.n + c0) * psize, p.f16_params, width,
+                  minimum.data());
+    } else if (p.bits == 4) {
+      for (int64_t j = 0; j < width; ++j) minimum[j] = -8.0f * scale[j];
+    }
+    const int64_t k0 = g * gs, k1 = std::min(p.k, k0 + gs);
+    for (int64_t r = 0; r < p.m; ++r) {
+      std::fill(dot.begin(), dot.end(), 0);
+      for (int64_t kk = k0; kk < k1; ++kk) {
+        const int xv = p.xq[r * p.k + kk];
+        for (int64_t j = 0; j < width; ++j) dot[j] += xv * Code(p, kk, c0 + j);
+      }
+      const float d = p.xd[r * p.num_groups + g], s = p.xs[r * p.num_groups + g];
+      for (int64_t j = 0; j < width; ++j) {
+        y[r * p.n + c0 + j] += static_cast<float>(dot[j]) * (scale[j] * d) + minimum[j] * s;
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr int kTileRows = 3;  // 3 rows x 8 int32 accumulators + broadcasts fit the 32 registers
+constexpr int64_t kPrefetchRows = 16;  // code rows ahead (they are N bytes apart)
+
+// 4 rows of 64 bytes (a, b, c, d: rows k .. k + 3 of 64 columns) -> 4 vectors of one dword a
+// column, bytes (a, b, c, d): out[v] lane 4 L + e holds column 16 L + 4 v + e (the byte
+// unpacks work within 128-bit lanes).
+inline void Interleave4(__m512i a, __m512i b, __m512i c, __m512i d, __m512i* out) {
+  const __m512i t0 = _mm512_unpacklo_epi8(a, b), t1 = _mm512_unpackhi_epi8(a, b);
+  const __m512i t2 = _mm512_unpacklo_epi8(c, d), t3 = _mm512_unpackhi_epi8(c, d);
+  out[0] = _mm512_unpacklo_epi16(t0, t2);
+  out[1] = _mm512_unpackhi_epi16(t0, t2);
+  out[2] = _mm512_unpacklo_epi16(t1, t3);
+  out[3] = _mm512_unpackhi_epi16(t1, t3);
+}
+
+// A parameter of 64 columns (s[L]: columns 16 L .. 16 L + 15) in the order of Interleave4's
+// vector v: lane 4 L + e = s[L][4 v + e].
+inline __m512 Permuted(const __m512 s[4], int v) {
+  const int b = 4 * v;
+  const __m512i idx = _mm512_set_epi32(b + 19, b + 18, b + 17, b + 16, b + 3, b + 2, b + 1, b,
+                                       b + 19, b + 18, b + 17, b + 16, b + 3, b + 2, b + 1, b);
+  return _mm512_mask_blend_ps(0xFF00, _mm512_permutex2var_ps(s[0], idx, s[1]),
+                              _mm512_permutex2var_ps(s[2], idx, s[3]));
+}
+
+inline void LoadPermuted(const void* base, int64_t index, bool f16, __m512* out) {
+  __m512 s[4];
+  for (int j = 0; j < 4; ++j) s[j] = jaxinfer::load_param16(base, index + 16 * j, f16);
+  for (int v = 0; v < 4; ++v) out[v] = Permuted(s, v);
+}
+
+// The contribution of rows k0 .. k0 + 4 chunks of K (within param group g) to rows [m0, m0 + R)
+// of x: `w` their interleaved codes (chunks of 4 rows of K, 4 vectors each), `xu8`: broadcast the unsigned x (int8 weights) or the codes are
+// the unsigned side (int4). out: [M, 64] accumulators in the permuted column order.
+template <int R, bool kInt8>
+inline void Tile(const Problem& p, int64_t m0, int64_t g, int64_t k0, int64_t chunks, const __m512i* w,
+                 const __m512i* corr, const __m512 scale[4], const __m512* minimum,
+                 float* out, int64_t out_stride) {
+  __m512i acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_si512();
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      if (kInt8) {
+        std::memcpy(&four, p.xu + (m0 + r) * p.k + k0 + 4 * ch, 4);
+      } else {
+        std::memcpy(&four, p.xq + (m0 + r) * p.k + k0 + 4 * ch, 4);
+      }
+      const __m512i xb = _mm512_set1_epi32(four);
+      for (int v = 0; v < 4; ++v) {
+        // int8 weights: (x + 128) . w, the 128 . w part taken off below; int4: codes . x
+        acc[r][v] = kInt8 ? _mm512_dpbusd_epi32(acc[r][v], xb, w[4 * ch + v])
+                          : _mm512_dpbusd_epi32(acc[r][v], w[4 * ch + v], xb);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = m0 + r;
+    const __m512 d = _mm512_set1_ps(p.xd[row * p.num_groups + g]);
+    const __m512 s = _mm512_set1_ps(p.xs[row * p.num_groups + g]);
+    for (int v = 0; v < 4; ++v) {
+      float* o = out + row * out_stride + 16 * v;
+      const __m512i dot = kInt8 ? _mm512_sub_epi32(acc[r][v], corr[v]) : acc[r][v];
+      __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale[v], d),
+                                 _mm512_loadu_ps(o));
+      if (minimum != nullptr) y = _mm512_fmadd_ps(minimum[v], s, y);
+      _mm512_storeu_ps(o, y);
+    }
+  }
+}
+
+template <bool kInt8>
+inline void Rows(const Problem& p, int64_t g, int64_t k0, int64_t chunks, const __m512i* w,
+                 const __m512i* corr, const __m512 scale[4], const __m512* minimum, float* out,
+                 int64_t out_stride) {
+  int64_t m0 = 0;
+  for (; m0 + kTileRows <= p.m; m0 += kTileRows)
+    Tile<kTileRows, kInt8>(p, m0, g, k0, chunks, w, corr, scale, minimum, out, out_stride);
+  if (p.m - m0 == 2) Tile<2, kInt8>(p, m0, g, k0, chunks, w, corr, scale, minimum, out, out_stride);
+  if (p.m - m0 == 1) Tile<1, kInt8>(p, m0, g, k0, chunks, w, corr, scale, minimum, out, out_stride);
+}
+
+constexpr int64_t kPartK = 32;  // rows of K interleaved at a time (a group may have several)
+constexpr int kBlocks = 4;        // 64-column blocks of a work item: 256 contiguous bytes a row
+
+// Parts of the int4 codes: packed rows [i0, i0 + 4 chunks) of the blocks of columns
+// c0 + 64 b (b < blocks), low nibbles (rows i of K) into lo, high ones (rows K/2 + i) into hi,
+// each block's chunks at lo + b * (kPartK / 4) * 4.
+inline void UnpackInt4(const Problem& p, int64_t c0, int blocks, int64_t i0, int64_t chunks,
+                       __m512i* lo, __m512i* hi) {
+  const uint8_t* q = static_cast<const uint8_t*>(p.values);
+  const int64_t kh = p.k / 2;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const int64_t i = i0 + 4 * ch;
+    for (int b = 0; b < blocks; ++b) {
+      const uint8_t* row = q + i * p.n + c0 + 64 * b;
+      __m512i l[4], h[4];
+      for (int t = 0; t < 4; ++t) {
+        if (i + t + kPrefetchRows < kh)
+          _mm_prefetch(reinterpret_cast<const char*>(row + (t + kPrefetchRows) * p.n), _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(row + t * p.n);
+        l[t] = _mm512_and_si512(v, low4);
+        h[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      Interleave4(l[0], l[1], l[2], l[3], lo + b * kPartK + 4 * ch);
+      Interleave4(h[0], h[1], h[2], h[3], hi + b * kPartK + 4 * ch);
+    }
+  }
+}
+
+// Columns [c0, c0 + 64 blocks) of every row into out ([M, 64 blocks], each block's 64 in the
+// permuted order).
+void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
+  const int64_t gs = p.group_size, ow = kCols * blocks;
+  alignas(64) __m512i lo[kBlocks * kPartK], hi[kBlocks * kPartK];  // kPartK / 4 chunks x 4
+  __m512 s_lo[4], s_hi[4], o_lo[4], o_hi[4];
+  if (p.bits == 4) {
+    const int64_t half_groups = (p.k / 2) / gs;
+    const __m512 minus8 = _mm512_set1_ps(-8.0f);
+    for (int64_t g = 0; g < half_groups; ++g) {
+      const int64_t g_hi = g + half_groups;
+      for (int64_t i0 = g * gs; i0 < (g + 1) * gs; i0 += kPartK) {
+        const int64_t chunks = (std::min((g + 1) * gs, i0 + kPartK) - i0) / 4;
+        UnpackInt4(p, c0, blocks, i0, chunks, lo, hi);
+        for (int b = 0; b < blocks; ++b) {
+          const int64_t col = c0 + 64 * b;
+          LoadPermuted(p.scales, g * p.n + col, p.f16_params, s_lo);
+          LoadPermuted(p.scales, g_hi * p.n + col, p.f16_params, s_hi);
+          // the minimum term once per group, with the group's first part
+          const bool first = i0 == g * gs;
+          if (p.mins != nullptr) {
+            LoadPermuted(p.mins, g * p.n + col, p.f16_params, o_lo);
+            LoadPermuted(p.mins, g_hi * p.n + col, p.f16_params, o_hi);
+          } else {
+            for (int v = 0; v < 4; ++v) {
+              o_lo[v] = _mm512_mul_ps(s_lo[v], minus8);
+              o_hi[v] = _mm512_mul_ps(s_hi[v], minus8);
+            }
+          }
+          Rows<false>(p, g, i0, chunks, lo + b * kPartK, nullptr, s_lo, first ? o_lo : nullptr,
+                      out + 64 * b, ow);
+          Rows<false>(p, g_hi, p.k / 2 + i0, chunks, hi + b * kPartK, nullptr, s_hi,
+                      first ? o_hi : nullptr, out + 64 * b, ow);
+        }
+      }
+    }
+    return;
+  }
+  const int8_t* q = static_cast<const int8_t*>(p.values);
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = 0; g < p.num_groups; ++g) {
+    const int64_t g_end = std::min(p.k, (g + 1) * gs);
+    for (int64_t k0 = g * gs; k0 < g_end; k0 += kPartK) {
+      const int64_t chunks = (std::min(g_end, k0 + kPartK) - k0) / 4;
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        for (int b = 0; b < blocks; ++b) {
+          const int8_t* row = q + (k0 + 4 * ch) * p.n + c0 + 64 * b;
+          __m512i r[4];
+          for (int t = 0; t < 4; ++t) {
+            if (k0 + 4 * ch + t + kPrefetchRows < p.k)
+              _mm_prefetch(reinterpret_cast<const char*>(row + (t + kPrefetchRows) * p.n), _MM_HINT_T0);
+            r[t] = _mm512_loadu_si512(row + t * p.n);
+          }
+          Interleave4(r[0], r[1], r[2], r[3], lo + b * kPartK + 4 * ch);
+        }
+      }
+      for (int b = 0; b < blocks; ++b) {
+        __m512i corr[4];  // 128 . w of the part, per column
+        for (int v = 0; v < 4; ++v) {
+          corr[v] = _mm512_setzero_si512();
+          for (int64_t ch = 0; ch < chunks; ++ch)
+            corr[v] = _mm512_dpbusd_epi32(corr[v], bias, lo[b * kPartK + 4 * ch + v]);
+        }
+        LoadPermuted(p.scales, g * p.n + c0 + 64 * b, p.f16_params, s_lo);
+        Rows<true>(p, g, k0, chunks, lo + b * kPartK, corr, s_lo, nullptr, out + 64 * b, ow);
+      }
+    }
+  }
+}
+
+// out ([M, 64 blocks], permuted order) -> y[:, c0 .. c0 + 64 blocks)
+void StoreColumns(const Problem& p, const float* out, int blocks, float* y, int64_t c0) {
+  for (int64_t r = 0; r < p.m; ++r) {
+    for (int b = 0; b < blocks; ++b) {
+      const float* o = out + r * kCols * blocks + 64 * b;
+      float* dst = y + r * p.n + c0 + 64 * b;
+      for (int v = 0; v < 4; ++v)
+        for (int lane = 0; lane < 16; ++lane)
+          dst[16 * (lane / 4) + 4 * v + lane % 4] = o[16 * v + lane];
+    }
+  }
+}
+#endif
+
+ffi::Error QuantMatmulQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
+                             ffi::AnyBuffer scales, ffi::AnyBuffer mins, int64_t bits,
+                             int64_t group_size, int64_t has_mins, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto vd = values.dimensions();
+  if (xd.size() != 2 || vd.size() != 2) {
+    return ffi::Error::InvalidArgument("x must be [M, K] and the values 2-D");
+  }
+  Problem p;
+  p.values = values.untyped_data();
+  p.scales = scales.untyped_data();
+  p.mins = has_mins ? mins.untyped_data() : nullptr;
+  p.f16_params = scales.element_type() == ffi::DataType::F16;
+  p.bits = static_cast<int>(bits);
+  p.m = xd[0];
+  p.k = xd[1];
+  p.n = vd[1];
+  p.group_size = group_size;
+  p.num_groups = (p.k + group_size - 1) / group_size;
+  if (p.n % kCols != 0 || group_size % 4 != 0 || (bits == 4 && group_size > 128) ||
+      p.k % 4 != 0) {
+    return ffi::Error::InvalidArgument(
+        "int8 activations need N a multiple of 64, K and the group size multiples of 4 (int4: "
+        "groups of at most 128)");
+  }
+  std::vector<int8_t> xq(p.m * p.k);
+  std::vector<uint8_t> xu(p.m * p.k);
+  std::vector<float> xdd(p.m * p.num_groups), xs(p.m * p.num_groups);
+  QuantizeRows(x.typed_data(), p.m, p.k, group_size, xq.data(), xu.data(), xdd.data(), xs.data());
+  p.xq = xq.data();
+  p.xu = xu.data();
+  p.xd = xdd.data();
+  p.xs = xs.data();
+  float* out = y->typed_data();
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  const int64_t block_count = p.n / kCols;
+  jaxinfer::ParallelFor(pool, (block_count + kBlocks - 1) / kBlocks, p.m * p.k * p.n / 4,
+                        [&](int64_t i) {
+    const int blocks = static_cast<int>(std::min<int64_t>(kBlocks, block_count - i * kBlocks));
+    std::vector<float> acc(p.m * kCols * blocks, 0.0f);
+    VnniColumns(p, i * kBlocks * kCols, blocks, acc.data());
+    StoreColumns(p, acc.data(), blocks, out, i * kBlocks * kCols);
+  });
+  return ffi::Error::Success();
+#endif
+  const int64_t items = p.n / kCols;
+  jaxinfer::ParallelFor(pool, items, p.m * p.k * p.n, [&](int64_t i) {
+    PlainColumns(p, out, i * kCols, (i + 1) * kCols);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantMatmulQ8, QuantMatmulQ8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()         // values i8[K, N] | u8[K/2, N]
+                                  .Arg<ffi::AnyBuffer>()         // scales f16|f32 [G, N]
+                                  .Arg<ffi::AnyBuffer>()         // mins (or a dummy)
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group_size")
+                                  .Attr<int64_t>("has_mins")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
