@@ -313,7 +313,8 @@ def _value(text: str):
 
 
 if __name__ == "__main__":
-    # python -m tests.scale_out_checks DIR CHECK[:key=value,...] ...
+    # python -m tests.scale_out_checks DIR CHECK[:key=value,...] ...  (model=PATH: that check's
+    # model instead of DIR, so checks of several models share one process and its start-up)
     checks = {"tp": check_tp, "tp_chunked": check_tp_chunked, "tp_hlo": check_tp_hlo,
               "tp_bad_heads": check_tp_bad_heads, "dp": check_dp,
               "tp_dp": check_tp_dp, "multi_process": check_multi_process,
@@ -322,4 +323,4 @@ if __name__ == "__main__":
     for spec in specs:
         name, _, flags = spec.partition(":")
         kwargs = {k: _value(v) for k, v in (f.split("=", 1) for f in flags.split(",") if f)}
-        checks[name](model_dir, **kwargs)
+        checks[name](kwargs.pop("model", model_dir), **kwargs)
