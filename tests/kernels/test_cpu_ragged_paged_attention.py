@@ -191,3 +191,25 @@ def test_all_padding_batch_returns_zeros():
     b = b._replace(md=b.md._replace(num_seqs=jnp.zeros((1,), jnp.int32)), num_tokens_real=0)
     out = run(b)
     assert (out == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_verification_rows_equal_decode_rows_bit_for_bit(dtype):
+    """A sequence's 1 + 4 new tokens (a speculative verification) beside a decode and a prefill:
+    each verified row is exactly the row a decode step of that token alone gives, so speculation
+    cannot change greedy output (a last-bit difference would, under int8 activations)."""
+    batch = make_paged_batch(21, q_lens=[5, 1, 20], kv_lens=[70, 33, 20], page_size=16,
+                             head_dim=64, num_kv_heads=3, group=3, num_seqs_pad=4,
+                             num_tokens_pad=32)
+    batch = batch._replace(k_cache=batch.k_cache.astype(dtype), v_cache=batch.v_cache.astype(dtype))
+    out = run(batch)
+    ref = ragged_paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, LAYER,
+                                           *layout(batch), sm_scale=0.125)
+    assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
+    for i in range(5):  # token i of the verification alone, context 66 + i, same pages
+        md = batch.md._replace(cu_q_lens=jnp.asarray([0, 1, 1, 1, 1], jnp.int32),
+                               kv_lens=batch.md.kv_lens.at[0].set(66 + i),
+                               num_seqs=jnp.asarray([1], jnp.int32))
+        alone = run(batch._replace(q=batch.q.at[0].set(batch.q[i]), md=md, q_lens=[1],
+                                   kv_lens=[66 + i], num_tokens_real=1))
+        np.testing.assert_array_equal(alone[0], out[i])
