@@ -1,7 +1,7 @@
 """Speculative decoding: tokens/s with and without it, single stream and at batch 64.
 
     python benchmarks/spec.py [--model smollm2-135m] [--max-tokens 64] [--batch 64] [--reps 2]
-                              [--draft [PATH]]
+                              [--draft [PATH]] [--engine-arg KEY=VALUE ...]
 
 Single stream (one request at a time, greedy, SmolLM2's chat template): copy-heavy prompts (repeat
 or edit a given code block, answer with quotes from a given text) and free-form prompts, each run
@@ -31,6 +31,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
+from peers import parse_engine_args  # noqa: E402
 
 CODE = '''def moving_average(values, window):
     """Mean of each run of `window` consecutive values."""
@@ -136,10 +137,14 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--draft", nargs="?", const="", default=None,
                     help="also a draft model (default: the target itself)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="an EngineConfig setting (repeatable; values as JSON), e.g. "
+                         "int8_activations=true")
     args = ap.parse_args()
 
     common = dict(page_size=16, num_pages=2048, max_num_seqs=max(args.batch, 8),
-                  max_num_batched_tokens=256, max_model_len=1024, num_speculative_tokens=args.k)
+                  max_num_batched_tokens=256, max_model_len=1024, num_speculative_tokens=args.k,
+                  **parse_engine_args(args.engine_arg))
     sp_off = SamplingParams(max_tokens=args.max_tokens, temperature=0, spec_decode=False)
     sp_on = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     rows, identical = [], True
@@ -211,7 +216,8 @@ def main() -> None:
     print(f"\nSpeculative decoding, {args.model}, greedy, chat template, k={args.k}, "
           f"single stream {args.max_tokens} tokens/prompt (stops at EOS), batches x "
           f"{args.batch_max_tokens} tokens, best of {args.reps}, CPU={os.cpu_count()} cores; "
-          f"adaptive = calibrated batch budget {budget} tokens/step")
+          f"adaptive = calibrated batch budget {budget} tokens/step"
+          + (f"; engine: {args.engine_arg}" if args.engine_arg else ""))
     print(f"{'workload':>14} | {'speculation':>15} | {'tok/s':>7} | {'ratio':>6} | {'accept':>6} | "
           f"{'mean len':>8} | {'drafts':>6} | same")
     print("-" * 92)

@@ -231,8 +231,9 @@ def _quantized_matmul_local(x: jax.Array, qweight: QuantizedWeight, dense: jax.A
             y = cpu_quant.quant_matmul(rows, q.values, q.scales, q.mins, bits=q.bits,
                                        group_size=q.group_size, int8_activations=True)
             return y.reshape(*x.shape[:-1], n)
-        except NotImplementedError as e:
-            _fall_back("quant_matmul (cpu, int8 activations)", e)
+        except NotImplementedError as e:  # this layout: x stays float (the kernel below)
+            warnings.warn(f"int8 activations unavailable for this weight ({e}); x stays float32 "
+                          "for it", stacklevel=3)
     dense_above = cpu_quant.dense_faster_above_rows() if backend == "cpu" else None
     if dense is not None and dense_above is not None and rows is not None and \
             rows.shape[0] > dense_above:

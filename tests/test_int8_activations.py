@@ -1,0 +1,76 @@
+"""int8 activations (EngineConfig.int8_activations): a quantized layer multiplies through the
+int8-activation kernel, the loader turns it on for every quantized weight and refuses it where it
+cannot apply, and speculative decoding keeps greedy output identical under it (a row's result
+does not depend on how many rows a step has)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from cpu_kernels.quant_matmul import quant_matmul_q8_reference
+from jaxinfer import LLM, SamplingParams, quant
+from jaxinfer.config import EngineConfig
+from jaxinfer.models.loader import load_model
+from jaxinfer.models.layers import QuantizedEmbed, QuantizedLinear
+from pallas_kernels.quant_matmul import quant_matmul_reference
+
+# dims that are multiples of 64, so every weight takes the kernel (hidden 128, q/k/v 256, gate/up
+# 512, vocabulary 384), and head_dim 64 with 16-token pages, so decode rows take the attention
+# kernel's decode path, which verification rows must agree with bit for bit
+WIDE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+KW = dict(quantization="int4", num_pages=32, page_size=16, max_num_seqs=2,
+          max_num_batched_tokens=16, max_model_len=96, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def wide_llama_dir(tmp_path_factory) -> str:
+    from tests.tiny_models import save_tiny_model
+
+    return save_tiny_model("llama", tmp_path_factory.mktemp("wide") / "llama", seed=1, **WIDE)
+
+
+def test_a_quantized_layer_multiplies_through_the_int8_activation_kernel():
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((128, 192)) * 0.05, jnp.float32)
+    qw = quant.quantize_int4(w, 32, symmetric=False)
+    layer = QuantizedLinear(qw, backend="cpu")
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 128)), jnp.float32)
+    float_y = np.asarray(layer.matmul(x))
+    layer.int8_activations = True
+    y = np.asarray(layer.matmul(x))
+    args = (x, qw.values, qw.scales, qw.mins)
+    np.testing.assert_allclose(y, quant_matmul_q8_reference(*args, bits=4, group_size=32),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float_y, quant_matmul_reference(*args, bits=4, group_size=32),
+                               rtol=1e-5, atol=1e-5)
+    assert np.abs(y - float_y).max() > 1e-4  # x was rounded: the two differ
+
+
+def test_the_loader_turns_them_on_for_every_quantized_weight(wide_llama_dir):
+    for on in (False, True):
+        _, model = load_model(wide_llama_dir, EngineConfig(**KW, int8_activations=on))
+        modules = [m for _, m in nnx.iter_modules(model)  # q/k/v, o, gate/up, down (layers stacked)
+                   if isinstance(m, (QuantizedLinear, QuantizedEmbed))]
+        assert len(modules) == 4 and all(m.int8_activations is on for m in modules)
+
+
+def test_ngram_speculation_is_greedy_identical_under_int8_activations(wide_llama_dir):
+    llm = LLM(wide_llama_dir, **KW, int8_activations=True, speculative_method="ngram",
+              ngram_min=1, ngram_max=3, num_speculative_tokens=2, spec_max_batched_tokens=6)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 300, size=8).tolist() * 3 for _ in range(2)]
+    base = dict(max_tokens=16, temperature=0, ignore_eos=True)
+    off = llm.generate(prompts, SamplingParams(**base, spec_decode=False), use_tqdm=False)
+    before = llm.engine.metrics.num_draft_tokens_total
+    on = llm.generate(prompts, SamplingParams(**base), use_tqdm=False)
+    assert llm.engine.metrics.num_draft_tokens_total > before
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+
+
+def test_int8_activations_are_refused_where_they_cannot_apply(wide_llama_dir):
+    with pytest.raises(ValueError, match="needs quantized weights"):
+        LLM(wide_llama_dir, **{**KW, "quantization": "none"}, int8_activations=True)
+    with pytest.raises(ValueError, match="CPU kernels only"):
+        LLM(wide_llama_dir, **KW, int8_activations=True, attention_backend="xla")
