@@ -234,6 +234,53 @@ inline void UnpackInt4(const Problem& p, int64_t c0, int blocks, int64_t i0, int
   }
 }
 
+// One row of x against one block of 64 columns of int4 codes, packed rows [i0, i0 + 4 chunks):
+// the interleaved codes go straight from registers into the products (no buffer: a single row
+// uses them once). The same integer sums and the same f32 steps as Tile's, in the same order,
+// so a row's result does not depend on the rows beside it.
+inline void SingleRowInt4(const Problem& p, int64_t col, int64_t g, int64_t g_hi, int64_t i0,
+                          int64_t chunks, const __m512 s_lo[4], const __m512 s_hi[4],
+                          const __m512* o_lo, const __m512* o_hi, float* out) {
+  const uint8_t* q = static_cast<const uint8_t*>(p.values);
+  const int64_t kh = p.k / 2;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i acc_lo[4], acc_hi[4];
+  for (int v = 0; v < 4; ++v) acc_lo[v] = acc_hi[v] = _mm512_setzero_si512();
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const int64_t i = i0 + 4 * ch;
+    const uint8_t* row = q + i * p.n + col;
+    __m512i l[4], h[4], wl[4], wh[4];
+    for (int t = 0; t < 4; ++t) {
+      if (i + t + kPrefetchRows < kh)
+        _mm_prefetch(reinterpret_cast<const char*>(row + (t + kPrefetchRows) * p.n), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(row + t * p.n);
+      l[t] = _mm512_and_si512(v, low4);
+      h[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
+    Interleave4(l[0], l[1], l[2], l[3], wl);
+    Interleave4(h[0], h[1], h[2], h[3], wh);
+    int32_t four_lo, four_hi;
+    std::memcpy(&four_lo, p.xq + i, 4);
+    std::memcpy(&four_hi, p.xq + kh + i, 4);
+    const __m512i xl = _mm512_set1_epi32(four_lo), xh = _mm512_set1_epi32(four_hi);
+    for (int v = 0; v < 4; ++v) {
+      acc_lo[v] = _mm512_dpbusd_epi32(acc_lo[v], wl[v], xl);
+      acc_hi[v] = _mm512_dpbusd_epi32(acc_hi[v], wh[v], xh);
+    }
+  }
+  const __m512 d_lo = _mm512_set1_ps(p.xd[g]), sum_lo = _mm512_set1_ps(p.xs[g]);
+  const __m512 d_hi = _mm512_set1_ps(p.xd[g_hi]), sum_hi = _mm512_set1_ps(p.xs[g_hi]);
+  for (int v = 0; v < 4; ++v) {
+    float* o = out + 16 * v;
+    __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_lo[v]), _mm512_mul_ps(s_lo[v], d_lo),
+                               _mm512_loadu_ps(o));
+    if (o_lo != nullptr) y = _mm512_fmadd_ps(o_lo[v], sum_lo, y);
+    y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_hi[v]), _mm512_mul_ps(s_hi[v], d_hi), y);
+    if (o_hi != nullptr) y = _mm512_fmadd_ps(o_hi[v], sum_hi, y);
+    _mm512_storeu_ps(o, y);
+  }
+}
+
 // Columns [c0, c0 + 64 blocks) of every row into out ([M, 64 blocks], each block's 64 in the
 // permuted order).
 void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
@@ -247,21 +294,26 @@ void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
       const int64_t g_hi = g + half_groups;
       for (int64_t i0 = g * gs; i0 < (g + 1) * gs; i0 += kPartK) {
         const int64_t chunks = (std::min((g + 1) * gs, i0 + kPartK) - i0) / 4;
-        UnpackInt4(p, c0, blocks, i0, chunks, lo, hi);
+        if (p.m > 1) UnpackInt4(p, c0, blocks, i0, chunks, lo, hi);
         for (int b = 0; b < blocks; ++b) {
           const int64_t col = c0 + 64 * b;
           LoadPermuted(p.scales, g * p.n + col, p.f16_params, s_lo);
           LoadPermuted(p.scales, g_hi * p.n + col, p.f16_params, s_hi);
           // the minimum term once per group, with the group's first part
           const bool first = i0 == g * gs;
-          if (p.mins != nullptr) {
+          if (first && p.mins != nullptr) {
             LoadPermuted(p.mins, g * p.n + col, p.f16_params, o_lo);
             LoadPermuted(p.mins, g_hi * p.n + col, p.f16_params, o_hi);
-          } else {
+          } else if (first) {
             for (int v = 0; v < 4; ++v) {
               o_lo[v] = _mm512_mul_ps(s_lo[v], minus8);
               o_hi[v] = _mm512_mul_ps(s_hi[v], minus8);
             }
+          }
+          if (p.m == 1) {
+            SingleRowInt4(p, col, g, g_hi, i0, chunks, s_lo, s_hi, first ? o_lo : nullptr,
+                          first ? o_hi : nullptr, out + 64 * b);
+            continue;
           }
           Rows<false>(p, g, i0, chunks, lo + b * kPartK, nullptr, s_lo, first ? o_lo : nullptr,
                       out + 64 * b, ow);

@@ -16,10 +16,13 @@
 // however long the other sequences in the step are.
 // Decode items of the common shapes (page size 16, head_dim 64, GQA group <= 4) take a faster
 // path, DecodeItem: 4 pages per online-softmax update, the accumulators in AVX-512 registers,
-// the next pages prefetched. A sequence with a few new tokens (a speculative verification) is
-// split into one item per token there, so its rows are bit for bit the rows a decode step
-// computes for the same tokens: speculation then cannot change greedy output, even where a
-// tiny difference would be amplified (int8 activations round x).
+// the next pages prefetched. Where it applies, every new token is an item of its own, prefill
+// chunks and verifications included: a token's row is then computed the same way, bit for bit,
+// whatever chunk or step it comes in (speculation and chunking cannot change greedy output, even
+// where a last-bit difference would be amplified: int8 activations round x), and it is faster
+// than the blocks of rows too (a 512-token chunk over 512 positions: 9.5 -> 3.8 ms a layer with
+// a float32 cache, 8.8 -> 2.1 with float16; the G query heads of a KV head still share each
+// key and value read).
 //
 // Work items are spread over XLA's intra-op thread pool (the calling thread takes items too).
 // int8 caches carry one f32 scale per (layer, page, KV head, slot); float16/bfloat16 caches are
@@ -43,9 +46,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kRowBlock = 32;  // new tokens per work item (prefill chunks are split in blocks)
-// Sequences with at most this many new tokens (a verification of up to 16 drafts) take the
-// decode path one token at a time where it applies, like the decode steps they must agree with.
-constexpr int32_t kPerTokenMaxTokens = 17;
 
 // exp(x) for x <= 88 (x = -inf gives 0), ~1e-7 relative error: Cephes' expf (range reduction by
 // ln 2, a degree-6 polynomial), written so that loops over it vectorize (libm's expf does not).
@@ -630,9 +630,8 @@ ffi::Error RaggedPagedAttentionImpl(
   for (int32_t s = 0; s < real; ++s) {
     const int32_t q_len = p.cu_q_lens[s + 1] - p.cu_q_lens[s];
     work += 2 * static_cast<int64_t>(q_len) * p.kv_lens[s] * num_q_heads * head_dim;
-    // A few new tokens (a speculative verification) go one token an item through the decode
-    // path, so each row's result is bit for bit what a decode step gives that token.
-    const int32_t rows_per_item = decode != nullptr && q_len <= kPerTokenMaxTokens ? 1 : kRowBlock;
+    // Where the decode path applies every token is an item of its own (see the top of the file).
+    const int32_t rows_per_item = decode != nullptr ? 1 : kRowBlock;
     for (int32_t t0 = 0; t0 < q_len; t0 += rows_per_item) {
       for (int32_t h = 0; h < num_kv_heads; ++h) {
         items.push_back(WorkItem{s, h, t0, std::min(rows_per_item, q_len - t0)});

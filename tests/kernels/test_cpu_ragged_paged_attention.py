@@ -194,10 +194,11 @@ def test_all_padding_batch_returns_zeros():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
-def test_verification_rows_equal_decode_rows_bit_for_bit(dtype):
-    """A sequence's 1 + 4 new tokens (a speculative verification) beside a decode and a prefill:
-    each verified row is exactly the row a decode step of that token alone gives, so speculation
-    cannot change greedy output (a last-bit difference would, under int8 activations)."""
+def test_a_tokens_row_is_the_same_bit_for_bit_in_any_chunk_or_step(dtype):
+    """A sequence's 1 + 4 new tokens (a speculative verification) and a 20-token prefill chunk
+    beside a decode: each row is exactly the row a step of that token alone gives, so neither
+    speculation nor chunking can change greedy output (a last-bit difference would, under int8
+    activations)."""
     batch = make_paged_batch(21, q_lens=[5, 1, 20], kv_lens=[70, 33, 20], page_size=16,
                              head_dim=64, num_kv_heads=3, group=3, num_seqs_pad=4,
                              num_tokens_pad=32)
@@ -206,10 +207,14 @@ def test_verification_rows_equal_decode_rows_bit_for_bit(dtype):
     ref = ragged_paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, LAYER,
                                            *layout(batch), sm_scale=0.125)
     assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
-    for i in range(5):  # token i of the verification alone, context 66 + i, same pages
-        md = batch.md._replace(cu_q_lens=jnp.asarray([0, 1, 1, 1, 1], jnp.int32),
-                               kv_lens=batch.md.kv_lens.at[0].set(66 + i),
-                               num_seqs=jnp.asarray([1], jnp.int32))
-        alone = run(batch._replace(q=batch.q.at[0].set(batch.q[i]), md=md, q_lens=[1],
-                                   kv_lens=[66 + i], num_tokens_real=1))
-        np.testing.assert_array_equal(alone[0], out[i])
+    md = batch.md
+    # (sequence, its context up to the token, the token's row in the step)
+    for seq, kv_len, row in [(0, 66 + i, i) for i in range(5)] + [(2, 1, 6), (2, 8, 13),
+                                                                  (2, 20, 25)]:
+        alone = md._replace(cu_q_lens=jnp.asarray([0, 1, 1, 1, 1], jnp.int32),
+                            kv_lens=md.kv_lens.at[0].set(kv_len),
+                            page_indices=md.page_indices.at[0].set(md.page_indices[seq]),
+                            num_seqs=jnp.asarray([1], jnp.int32))
+        one = run(batch._replace(q=batch.q.at[0].set(batch.q[row]), md=alone, q_lens=[1],
+                                 kv_lens=[kv_len], num_tokens_real=1))
+        np.testing.assert_array_equal(one[0], out[row])
