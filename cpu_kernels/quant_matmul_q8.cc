@@ -64,6 +64,27 @@ void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t gs, int8_t* xq, 
     for (int64_t g = 0; g < num_groups; ++g) {
       const int64_t k0 = g * gs, k1 = std::min(k, k0 + gs);
       const float* row = x + r * k;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      if ((k1 - k0) % 16 == 0) {  // the same rounding (to nearest even) 16 values at a time
+        __m512 vmax = _mm512_setzero_ps(), vsum = _mm512_setzero_ps();
+        for (int64_t i = k0; i < k1; i += 16) {
+          const __m512 v = _mm512_loadu_ps(row + i);
+          vmax = _mm512_max_ps(vmax, _mm512_abs_ps(v));
+          vsum = _mm512_add_ps(vsum, v);
+        }
+        const float d = _mm512_reduce_max_ps(vmax) / 127.0f;
+        const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+        for (int64_t i = k0; i < k1; i += 16) {
+          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + i), inv));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + r * k + i), _mm512_cvtepi32_epi8(q));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(xu + r * k + i),
+                           _mm512_cvtepi32_epi8(_mm512_add_epi32(q, _mm512_set1_epi32(128))));
+        }
+        xd[r * num_groups + g] = d;
+        xs[r * num_groups + g] = _mm512_reduce_add_ps(vsum);
+        continue;
+      }
+#endif
       float amax = 0.0f, sum = 0.0f;
       for (int64_t i = k0; i < k1; ++i) {
         amax = std::max(amax, std::fabs(row[i]));
@@ -234,53 +255,6 @@ inline void UnpackInt4(const Problem& p, int64_t c0, int blocks, int64_t i0, int
   }
 }
 
-// One row of x against one block of 64 columns of int4 codes, packed rows [i0, i0 + 4 chunks):
-// the interleaved codes go straight from registers into the products (no buffer: a single row
-// uses them once). The same integer sums and the same f32 steps as Tile's, in the same order,
-// so a row's result does not depend on the rows beside it.
-inline void SingleRowInt4(const Problem& p, int64_t col, int64_t g, int64_t g_hi, int64_t i0,
-                          int64_t chunks, const __m512 s_lo[4], const __m512 s_hi[4],
-                          const __m512* o_lo, const __m512* o_hi, float* out) {
-  const uint8_t* q = static_cast<const uint8_t*>(p.values);
-  const int64_t kh = p.k / 2;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512i acc_lo[4], acc_hi[4];
-  for (int v = 0; v < 4; ++v) acc_lo[v] = acc_hi[v] = _mm512_setzero_si512();
-  for (int64_t ch = 0; ch < chunks; ++ch) {
-    const int64_t i = i0 + 4 * ch;
-    const uint8_t* row = q + i * p.n + col;
-    __m512i l[4], h[4], wl[4], wh[4];
-    for (int t = 0; t < 4; ++t) {
-      if (i + t + kPrefetchRows < kh)
-        _mm_prefetch(reinterpret_cast<const char*>(row + (t + kPrefetchRows) * p.n), _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(row + t * p.n);
-      l[t] = _mm512_and_si512(v, low4);
-      h[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-    }
-    Interleave4(l[0], l[1], l[2], l[3], wl);
-    Interleave4(h[0], h[1], h[2], h[3], wh);
-    int32_t four_lo, four_hi;
-    std::memcpy(&four_lo, p.xq + i, 4);
-    std::memcpy(&four_hi, p.xq + kh + i, 4);
-    const __m512i xl = _mm512_set1_epi32(four_lo), xh = _mm512_set1_epi32(four_hi);
-    for (int v = 0; v < 4; ++v) {
-      acc_lo[v] = _mm512_dpbusd_epi32(acc_lo[v], wl[v], xl);
-      acc_hi[v] = _mm512_dpbusd_epi32(acc_hi[v], wh[v], xh);
-    }
-  }
-  const __m512 d_lo = _mm512_set1_ps(p.xd[g]), sum_lo = _mm512_set1_ps(p.xs[g]);
-  const __m512 d_hi = _mm512_set1_ps(p.xd[g_hi]), sum_hi = _mm512_set1_ps(p.xs[g_hi]);
-  for (int v = 0; v < 4; ++v) {
-    float* o = out + 16 * v;
-    __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_lo[v]), _mm512_mul_ps(s_lo[v], d_lo),
-                               _mm512_loadu_ps(o));
-    if (o_lo != nullptr) y = _mm512_fmadd_ps(o_lo[v], sum_lo, y);
-    y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_hi[v]), _mm512_mul_ps(s_hi[v], d_hi), y);
-    if (o_hi != nullptr) y = _mm512_fmadd_ps(o_hi[v], sum_hi, y);
-    _mm512_storeu_ps(o, y);
-  }
-}
-
 // Columns [c0, c0 + 64 blocks) of every row into out ([M, 64 blocks], each block's 64 in the
 // permuted order).
 void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
@@ -294,7 +268,7 @@ void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
       const int64_t g_hi = g + half_groups;
       for (int64_t i0 = g * gs; i0 < (g + 1) * gs; i0 += kPartK) {
         const int64_t chunks = (std::min((g + 1) * gs, i0 + kPartK) - i0) / 4;
-        if (p.m > 1) UnpackInt4(p, c0, blocks, i0, chunks, lo, hi);
+        UnpackInt4(p, c0, blocks, i0, chunks, lo, hi);
         for (int b = 0; b < blocks; ++b) {
           const int64_t col = c0 + 64 * b;
           LoadPermuted(p.scales, g * p.n + col, p.f16_params, s_lo);
@@ -309,11 +283,6 @@ void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
               o_lo[v] = _mm512_mul_ps(s_lo[v], minus8);
               o_hi[v] = _mm512_mul_ps(s_hi[v], minus8);
             }
-          }
-          if (p.m == 1) {
-            SingleRowInt4(p, col, g, g_hi, i0, chunks, s_lo, s_hi, first ? o_lo : nullptr,
-                          first ? o_hi : nullptr, out + 64 * b);
-            continue;
           }
           Rows<false>(p, g, i0, chunks, lo + b * kPartK, nullptr, s_lo, first ? o_lo : nullptr,
                       out + 64 * b, ow);
