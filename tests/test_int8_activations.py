@@ -36,6 +36,7 @@ def test_a_quantized_layer_multiplies_through_the_int8_activation_kernel():
     w = jnp.asarray(np.random.default_rng(0).standard_normal((128, 192)) * 0.05, jnp.float32)
     qw = quant.quantize_int4(w, 32, symmetric=False)
     layer = QuantizedLinear(qw, backend="cpu")
+    assert layer.int8_activations is False  # off unless asked
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 128)), jnp.float32)
     float_y = np.asarray(layer.matmul(x))
     layer.int8_activations = True
@@ -49,11 +50,10 @@ def test_a_quantized_layer_multiplies_through_the_int8_activation_kernel():
 
 
 def test_the_loader_turns_them_on_for_every_quantized_weight(wide_llama_dir):
-    for on in (False, True):
-        _, model = load_model(wide_llama_dir, EngineConfig(**KW, int8_activations=on))
-        modules = [m for _, m in nnx.iter_modules(model)  # q/k/v, o, gate/up, down (layers stacked)
-                   if isinstance(m, (QuantizedLinear, QuantizedEmbed))]
-        assert len(modules) == 4 and all(m.int8_activations is on for m in modules)
+    _, model = load_model(wide_llama_dir, EngineConfig(**KW, int8_activations=True))
+    modules = [m for _, m in nnx.iter_modules(model)  # q/k/v, o, gate/up, down (layers stacked)
+               if isinstance(m, (QuantizedLinear, QuantizedEmbed))]
+    assert len(modules) == 4 and all(m.int8_activations for m in modules)
 
 
 def test_ngram_speculation_is_greedy_identical_under_int8_activations(wide_llama_dir):

@@ -131,8 +131,9 @@ def _q8(qw, x):
         x, qw.values, qw.scales, qw.mins)
 
 
-# N = 320: a work item of 4 blocks of 64 columns and one of 1; rows in tiles of 3 and a tail
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 70])
+# N = 320: a work item of 4 blocks of 64 columns and one of 1; rows in tiles of 3 and a tail of
+# 2 (5 rows) or 1 (70 rows)
+@pytest.mark.parametrize("m", [1, 5, 70])
 @pytest.mark.parametrize("kind", list(_kinds()))
 def test_int8_activations_match_their_reference(kind, m):
     qw = _kinds()[kind]()
