@@ -74,3 +74,22 @@ def test_int8_activations_are_refused_where_they_cannot_apply(wide_llama_dir):
         LLM(wide_llama_dir, **{**KW, "quantization": "none"}, int8_activations=True)
     with pytest.raises(ValueError, match="CPU kernels only"):
         LLM(wide_llama_dir, **KW, int8_activations=True, attention_backend="xla")
+
+
+def test_a_norm_row_is_the_same_bit_for_bit_at_any_row_count():
+    """XLA:CPU reduces a [T, H] mean one way below 8 rows and another from 8 up; RMSNorm pads to
+    8 rows, so a verification's rows equal a decode step's (int8 activations amplify last bits)."""
+    import jax
+
+    from jaxinfer.models.layers import RMSNorm
+
+    norm = RMSNorm(576, eps=1e-5)
+    norm.weight[...] = jnp.asarray(np.random.default_rng(1).standard_normal(576), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((40, 576)), jnp.float32)
+    f = jax.jit(lambda x: norm(x))
+    whole = np.asarray(f(x))
+    for t in (1, 2, 5, 7, 8, 9, 16, 33):
+        np.testing.assert_array_equal(np.asarray(f(x[:t])), whole[:t])
+    np.testing.assert_allclose(  # and it is the norm
+        whole, np.asarray(x / np.sqrt(np.mean(np.asarray(x) ** 2, -1, keepdims=True) + 1e-5)
+                          * np.asarray(norm.weight[...])), rtol=1e-5, atol=1e-5)

@@ -62,8 +62,15 @@ class Embed(nnx.Module):
                        preferred_element_type=jnp.float32)
 
 
+# XLA:CPU reduces the rows of a [T, H] mean one way below 8 rows and another way (other last
+# bits) from 8 up; a norm over fewer rows is computed over them padded to 8, so a row's result is
+# the same in a step of any size (speculative verification must reproduce a decode step exactly).
+NORM_MIN_ROWS = 8
+
+
 class RMSNorm(nnx.Module):
-    """x / rms(x) * weight, computed in float32 (as transformers does), returned in `dtype`."""
+    """x / rms(x) * weight, computed in float32 (as transformers does), returned in `dtype`.
+    A row's result does not depend on how many rows x has (NORM_MIN_ROWS)."""
 
     def __init__(self, features: int, *, eps: float, dtype=jnp.float32, param_dtype=jnp.float32):
         self.eps = eps
@@ -72,7 +79,12 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        squares = (x32 * x32).reshape(-1, x.shape[-1])  # [R, H]
+        rows = squares.shape[0]
+        if rows < NORM_MIN_ROWS:
+            squares = jnp.pad(squares, ((0, NORM_MIN_ROWS - rows), (0, 0)))
+        mean = jnp.mean(squares, axis=-1)[:rows].reshape(*x.shape[:-1], 1)
+        x32 = x32 * jax.lax.rsqrt(mean + self.eps)
         return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
 
 
