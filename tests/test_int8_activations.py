@@ -77,19 +77,36 @@ def test_int8_activations_are_refused_where_they_cannot_apply(wide_llama_dir):
 
 
 def test_a_norm_row_is_the_same_bit_for_bit_at_any_row_count():
-    """XLA:CPU reduces a [T, H] mean one way below 8 rows and another from 8 up; RMSNorm pads to
-    8 rows, so a verification's rows equal a decode step's (int8 activations amplify last bits)."""
+    """A row's norm does not depend on how many rows the step has, also where XLA fuses the norm
+    with what feeds it (here a quantized embedding lookup: with a plain `mean` XLA:CPU summed the
+    row another way from 8 rows up, and 13 of these 40 rows came out different alone), so a
+    verification's rows equal a decode step's (int8 activations amplify last bits)."""
     import jax
 
     from jaxinfer.models.layers import RMSNorm
 
+    rng = np.random.default_rng(1)
     norm = RMSNorm(576, eps=1e-5)
-    norm.weight[...] = jnp.asarray(np.random.default_rng(1).standard_normal(576), jnp.float32)
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((40, 576)), jnp.float32)
-    f = jax.jit(lambda x: norm(x))
-    whole = np.asarray(f(x))
-    for t in (1, 2, 5, 7, 8, 9, 16, 33):
-        np.testing.assert_array_equal(np.asarray(f(x[:t])), whole[:t])
+    norm.weight[...] = jnp.asarray(rng.standard_normal(576), jnp.float32)
+    table = jnp.asarray(rng.standard_normal((576, 4000)) * 0.05, jnp.float32)  # [H, vocab]
+    embed = QuantizedEmbed(quant.quantize_int8(table, 32), backend="cpu")
+    ids = jnp.asarray(rng.integers(0, 4000, 40), jnp.int32)
+    f = jax.jit(lambda ids: norm(embed(ids)))
+    whole = np.asarray(f(ids))  # [40, 576]
+    for t in range(40):
+        np.testing.assert_array_equal(np.asarray(f(ids[t:t + 1]))[0], whole[t])
+    for t in (2, 5, 7, 8, 9, 16, 33):
+        np.testing.assert_array_equal(np.asarray(f(ids[:t])), whole[:t])
+    x = np.asarray(embed(ids))
     np.testing.assert_allclose(  # and it is the norm
-        whole, np.asarray(x / np.sqrt(np.mean(np.asarray(x) ** 2, -1, keepdims=True) + 1e-5)
-                          * np.asarray(norm.weight[...])), rtol=1e-5, atol=1e-5)
+        whole, x / np.sqrt(np.mean(x ** 2, -1, keepdims=True) + 1e-5)
+        * np.asarray(norm.weight[...]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_fixed_order_row_sum_is_a_sum():
+    from jaxinfer.models.layers import row_sum_fixed_order
+
+    for width in (1, 2, 7, 9, 576, 4097):
+        x = np.random.default_rng(width).standard_normal((3, width)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(row_sum_fixed_order(jnp.asarray(x))),
+                                   x.astype(np.float64).sum(-1), rtol=1e-5, atol=1e-4)

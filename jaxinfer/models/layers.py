@@ -62,15 +62,25 @@ class Embed(nnx.Module):
                        preferred_element_type=jnp.float32)
 
 
-# XLA:CPU reduces the rows of a [T, H] mean one way below 8 rows and another way (other last
-# bits) from 8 up; a norm over fewer rows is computed over them padded to 8, so a row's result is
-# the same in a step of any size (speculative verification must reproduce a decode step exactly).
-NORM_MIN_ROWS = 8
+def row_sum_fixed_order(x: jax.Array) -> jax.Array:
+    """x: f32[R, H] -> f32[R], each row summed in one fixed order (halves added elementwise until
+    one column is left), whatever R is and whatever XLA fuses around it. A reduce leaves the order
+    to XLA, and XLA:CPU picks it by shape and fusion context: a row's sum of squares then differed
+    in its last bits between a one-token step and an eight-token one, which speculative
+    verification (and int8 activations above all) turns into different greedy tokens."""
+    while x.shape[-1] > 1:
+        n = x.shape[-1]
+        half = n // 2
+        pairs = x[:, :half] + x[:, half:2 * half]  # [R, n // 2]
+        if n % 2:  # the odd column joins the first
+            pairs = jnp.concatenate([pairs[:, :1] + x[:, 2 * half:], pairs[:, 1:]], axis=-1)
+        x = pairs
+    return x[:, 0]
 
 
 class RMSNorm(nnx.Module):
     """x / rms(x) * weight, computed in float32 (as transformers does), returned in `dtype`.
-    A row's result does not depend on how many rows x has (NORM_MIN_ROWS)."""
+    A row's result does not depend on how many rows x has (`row_sum_fixed_order`)."""
 
     def __init__(self, features: int, *, eps: float, dtype=jnp.float32, param_dtype=jnp.float32):
         self.eps = eps
@@ -80,10 +90,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         squares = (x32 * x32).reshape(-1, x.shape[-1])  # [R, H]
-        rows = squares.shape[0]
-        if rows < NORM_MIN_ROWS:
-            squares = jnp.pad(squares, ((0, NORM_MIN_ROWS - rows), (0, 0)))
-        mean = jnp.mean(squares, axis=-1)[:rows].reshape(*x.shape[:-1], 1)
+        mean = (row_sum_fixed_order(squares) / x.shape[-1]).reshape(*x.shape[:-1], 1)
         x32 = x32 * jax.lax.rsqrt(mean + self.eps)
         return self.weight[...].astype(self.dtype) * x32.astype(self.dtype)
 
