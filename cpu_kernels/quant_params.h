@@ -1,5 +1,6 @@
-// Scales and minimums of a quantized weight (f16 or f32 rows of [G, N]) read as f32, shared by
-// the quantized matmul kernels.
+// IEEE half -> float (the attention kernel's float16 caches too), and the scales and minimums of
+// a quantized weight (f16 or f32 rows of [G, N]) read as f32, shared by the quantized matmul
+// kernels.
 #ifndef JAXINFER_CPU_KERNELS_QUANT_PARAMS_H_
 #define JAXINFER_CPU_KERNELS_QUANT_PARAMS_H_
 

@@ -39,6 +39,7 @@
 #endif
 
 #include "parallel.h"
+#include "quant_params.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -85,31 +86,7 @@ inline float to_float(uint16_t bits, bool is_bf16) {
     std::memcpy(&f, &u, sizeof f);
     return f;
   }
-  // IEEE half -> float
-  const uint32_t sign = (bits & 0x8000u) << 16;
-  uint32_t exp = (bits >> 10) & 0x1f;
-  uint32_t mant = bits & 0x3ff;
-  uint32_t u;
-  if (exp == 0) {
-    if (mant == 0) {
-      u = sign;
-    } else {  // subnormal
-      exp = 127 - 15 + 1;
-      while (!(mant & 0x400)) {
-        mant <<= 1;
-        --exp;
-      }
-      mant &= 0x3ff;
-      u = sign | (exp << 23) | (mant << 13);
-    }
-  } else if (exp == 31) {
-    u = sign | 0x7f800000u | (mant << 13);
-  } else {
-    u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+  return jaxinfer::half_to_float(bits);
 }
 
 // The cache as the kernel reads it, head-major: one KV head's part of a page is contiguous, K

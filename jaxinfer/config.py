@@ -199,6 +199,10 @@ Backend = Literal["auto", "xla", "pallas", "cpu"]
 DType = Literal["float32", "bfloat16", "float16"]
 KVCacheDType = Literal["float32", "bfloat16", "float16", "int8"]
 Quantization = Literal["int8", "int4"]
+# num_speculative_tokens when unset: n-gram drafts (docs/performance.md, the speculation table),
+# a draft model's drafts
+DEFAULT_NGRAM_DRAFTS = 8
+DEFAULT_MODEL_DRAFTS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +252,9 @@ class EngineConfig:
     seed: int = 0  # seeds of requests that bring none
     # Speculative decoding (jaxinfer/runtime/spec_decode.py; the policy in jaxinfer/sched/spec_policy.py)
     speculative_method: Literal["ngram", "draft"] | None = None  # ngram: prompt lookup
-    num_speculative_tokens: int = 4  # the most drafts verified per request per step
+    # the most drafts verified per request per step; default 8 for ngram (lookup drafts are free
+    # and a CPU verifies 8 for ~1.9x a one-token step), 4 for a draft model (a step of its own each)
+    num_speculative_tokens: int | None = None
     ngram_min: int = 2  # n-gram prompt lookup tries n = ngram_max down to ngram_min
     ngram_max: int = 4  # see ngram_min
     draft_model: str | None = None  # speculative_method draft: a model sharing the tokenizer
@@ -284,6 +290,10 @@ class EngineConfig:
                              f"{self.background_max_num_batched_tokens} must be positive")
         if self.background_linger_s < 0:
             raise ValueError(f"background_linger_s={self.background_linger_s} must be >= 0")
+        if self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens",
+                               DEFAULT_NGRAM_DRAFTS if self.speculative_method == "ngram"
+                               else DEFAULT_MODEL_DRAFTS)
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be in [1, 16]")
         if not 1 <= self.ngram_min <= self.ngram_max:

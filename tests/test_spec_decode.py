@@ -282,7 +282,8 @@ def tiny_draft_llm(tiny_llama_dir, tiny_draft_dir):
 
 @pytest.fixture(scope="module")
 def tiny_ngram_llm(tiny_llama_dir):
-    return LLM(tiny_llama_dir, **TINY_KW, speculative_method="ngram", ngram_min=1, ngram_max=3)
+    return LLM(tiny_llama_dir, **TINY_KW, speculative_method="ngram", ngram_min=1, ngram_max=3,
+               num_speculative_tokens=4)
 
 
 def _copy_prompts(n: int, seed: int) -> list[list[int]]:
@@ -371,6 +372,19 @@ def test_tiny_ngram_identical_with_logprobs_and_stops(tiny_ngram_llm):
                        use_tqdm=False)[0].outputs[0]
     assert out.token_ids == off[0][:off[0].index(stop_at) + 1] and out.finish_reason == "stop"
     assert eng.scheduler.pool.num_free_pages == eng.num_pages - 1
+
+
+def test_default_number_of_drafts_follows_the_method():
+    """Unset, num_speculative_tokens is 8 for n-gram lookup (its drafts cost nothing to make) and
+    4 for a draft model (each draft is a step of it); a value given is kept, 0 or 17 refused."""
+    from jaxinfer.config import EngineConfig
+
+    assert EngineConfig(speculative_method="ngram").num_speculative_tokens == 8
+    assert EngineConfig(speculative_method="draft", draft_model="x").num_speculative_tokens == 4
+    assert EngineConfig(speculative_method="ngram", num_speculative_tokens=3).num_speculative_tokens == 3
+    for bad in (0, 17):
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            EngineConfig(speculative_method="ngram", num_speculative_tokens=bad)
 
 
 def test_tiny_spec_decode_true_needs_a_method(tiny_llm):
@@ -547,7 +561,7 @@ def test_smollm2_greedy_identical_with_ngram_and_draft_model(smollm2_chat_prompt
     # the tiny draft-model tests above take such steps)
     sp_on = SamplingParams(max_tokens=31, temperature=0, ignore_eos=True)
     sp_off = SamplingParams(max_tokens=31, temperature=0, ignore_eos=True, spec_decode=False)
-    ngram = LLM("smollm2-135m", **SMOLLM2_KW, speculative_method="ngram")
+    ngram = LLM("smollm2-135m", **SMOLLM2_KW, speculative_method="ngram", num_speculative_tokens=4)
     expected = _one_at_a_time(ngram, smollm2_chat_prompts, sp_off)
     assert _one_at_a_time(ngram, smollm2_chat_prompts, sp_on) == expected
     m = ngram.engine.metrics
