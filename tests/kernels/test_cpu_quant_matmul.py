@@ -131,8 +131,8 @@ def _q8(qw, x):
         x, qw.values, qw.scales, qw.mins)
 
 
-# N = 320: a work item of 4 blocks of 64 columns and one of 1; rows in tiles of 3 and a tail of
-# 2 (5 rows) or 1 (70 rows)
+# N = 320: a work item of 4 blocks of 64 columns and one of 1; 5 rows: vpdpbusd tiles of 3 and 2;
+# 70 rows: AMX tiles of 16 and a padded one of 6 (where the CPU has AMX; else tiles of 3 and 1)
 @pytest.mark.parametrize("m", [1, 5, 70])
 @pytest.mark.parametrize("kind", list(_kinds()))
 def test_int8_activations_match_their_reference(kind, m):
@@ -158,14 +158,17 @@ def test_int8_activations_round_x_per_group_as_the_reference_does():
 
 
 def test_int8_activations_give_a_row_the_same_result_at_any_row_count():
-    """Batch invariance: a row's result does not depend on the rows beside it (tiles of 3, 2, 1)."""
-    for kind in ("int4 asym g32", "int8 g32"):
+    """Batch invariance: a row's result does not depend on the rows beside it (vpdpbusd tiles of
+    3, 2, 1 rows; from 16 rows AMX tiles where the CPU has them, whose rows must equal the
+    vpdpbusd ones bit for bit)."""
+    for kind in ("int4 asym g32", "int8 g32", "int8 channel"):
         qw = _kinds()[kind]()
-        x = jnp.asarray(np.random.default_rng(9).standard_normal((7, 576)), jnp.float32)
+        x = jnp.asarray(np.random.default_rng(9).standard_normal((20, 576)), jnp.float32)
         whole = np.asarray(_q8(qw, x))
-        for i in range(7):
+        for i in range(0, 20, 3):
             np.testing.assert_array_equal(np.asarray(_q8(qw, x[i:i + 1]))[0], whole[i])
         np.testing.assert_array_equal(np.asarray(_q8(qw, x[2:4])), whole[2:4])
+        np.testing.assert_array_equal(np.asarray(_q8(qw, x[2:9])), whole[2:9])
 
 
 def test_int8_activations_layouts_they_do_not_take_raise_not_implemented():
