@@ -179,6 +179,21 @@ inline void LoadPermuted(const void* base, int64_t index, bool f16, __m512* out)
   for (int v = 0; v < 4; ++v) out[v] = Permuted(s, v);
 }
 
+// One row's exact group products (dot: 64 columns, permuted order) scaled into its 64 f32
+// accumulators at o: o += dot * (scale * d) (+ minimum * the exact sum of x). Shared by the
+// vpdpbusd and AMX paths, so a row's result is the same bit for bit whichever computes it.
+inline void AddScaled(const Problem& p, int64_t row, int64_t g, const __m512i dot[4],
+                      const __m512 scale[4], const __m512* minimum, float* o) {
+  const __m512 d = _mm512_set1_ps(p.xd[row * p.num_groups + g]);
+  const __m512 s = _mm512_set1_ps(p.xs[row * p.num_groups + g]);
+  for (int v = 0; v < 4; ++v) {
+    __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[v]), _mm512_mul_ps(scale[v], d),
+                               _mm512_loadu_ps(o + 16 * v));
+    if (minimum != nullptr) y = _mm512_fmadd_ps(minimum[v], s, y);
+    _mm512_storeu_ps(o + 16 * v, y);
+  }
+}
+
 // The contribution of rows k0 .. k0 + 4 chunks of K (within param group g) to rows [m0, m0 + R)
 // of x: `w` their interleaved codes (chunks of 4 rows of K, 4 vectors each), `xu8`: broadcast the unsigned x (int8 weights) or the codes are
 // the unsigned side (int4). out: [M, 64] accumulators in the permuted column order.
@@ -206,17 +221,9 @@ inline void Tile(const Problem& p, int64_t m0, int64_t g, int64_t k0, int64_t ch
     }
   }
   for (int r = 0; r < R; ++r) {
-    const int64_t row = m0 + r;
-    const __m512 d = _mm512_set1_ps(p.xd[row * p.num_groups + g]);
-    const __m512 s = _mm512_set1_ps(p.xs[row * p.num_groups + g]);
-    for (int v = 0; v < 4; ++v) {
-      float* o = out + row * out_stride + 16 * v;
-      const __m512i dot = kInt8 ? _mm512_sub_epi32(acc[r][v], corr[v]) : acc[r][v];
-      __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale[v], d),
-                                 _mm512_loadu_ps(o));
-      if (minimum != nullptr) y = _mm512_fmadd_ps(minimum[v], s, y);
-      _mm512_storeu_ps(o, y);
-    }
+    __m512i dot[4];
+    for (int v = 0; v < 4; ++v) dot[v] = kInt8 ? _mm512_sub_epi32(acc[r][v], corr[v]) : acc[r][v];
+    AddScaled(p, m0 + r, g, dot, scale, minimum, out + (m0 + r) * out_stride);
   }
 }
 
@@ -238,8 +245,8 @@ inline void Rows(const Problem& p, int64_t g, int64_t k0, int64_t chunks, const 
 // up, each 32-row part of K is one tile product per 16 columns: A = 16 rows of xq (32 bytes
 // each; xq is padded with zero rows), B = the part's interleaved codes (8 rows of 64 bytes:
 // Interleave4's vector v of each chunk, 256 bytes apart in the buffer), C = the rows' exact int32
-// dot products, the same integers vpdpbusd sums. The epilogue is Tile's, operation for
-// operation, so a row's result is bit for bit the same whichever path its step takes. Measured
+// dot products, the same integers vpdpbusd sums, scaled by the same AddScaled, so a row's
+// result is bit for bit the same whichever path its step takes. Measured
 // through SmolLM2's 30 layers (benchmarks/cpu_matmul.py --int8-activations): 64 rows 47 -> 40
 // ms, 512 rows 269 -> 231; at 4-16 rows no faster than vpdpbusd (the epilogue, which stores,
 // reloads and scales every group's products, costs as much as the products), hence 16.
@@ -302,17 +309,9 @@ inline void AmxRows(const Problem& p, int64_t g, int64_t k0, const __m512i* w,
     JAXINFER_Q8_TILE(3, 5)
 #undef JAXINFER_Q8_TILE
     for (int r = 0; r < rows; ++r) {
-      const int64_t row = m0 + r;
-      const __m512 d = _mm512_set1_ps(p.xd[row * p.num_groups + g]);
-      const __m512 s = _mm512_set1_ps(p.xs[row * p.num_groups + g]);
-      for (int v = 0; v < 4; ++v) {
-        float* o = out + row * out_stride + 16 * v;
-        const __m512i dot = _mm512_load_si512(dots[v][r]);
-        __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale[v], d),
-                                   _mm512_loadu_ps(o));
-        if (minimum != nullptr) y = _mm512_fmadd_ps(minimum[v], s, y);
-        _mm512_storeu_ps(o, y);
-      }
+      __m512i dot[4];
+      for (int v = 0; v < 4; ++v) dot[v] = _mm512_load_si512(dots[v][r]);
+      AddScaled(p, m0 + r, g, dot, scale, minimum, out + (m0 + r) * out_stride);
     }
   }
 }
