@@ -134,7 +134,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--batch-max-tokens", type=int, default=24)
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions; the best counts")
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, default=None,
+                    help="num_speculative_tokens (default: the engine's, 8 for n-gram drafts)")
     ap.add_argument("--draft", nargs="?", const="", default=None,
                     help="also a draft model (default: the target itself)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -143,13 +144,15 @@ def main() -> None:
     args = ap.parse_args()
 
     common = dict(page_size=16, num_pages=2048, max_num_seqs=max(args.batch, 8),
-                  max_num_batched_tokens=256, max_model_len=1024, num_speculative_tokens=args.k,
+                  max_num_batched_tokens=256, max_model_len=1024,
+                  **({} if args.k is None else {"num_speculative_tokens": args.k}),
                   **parse_engine_args(args.engine_arg))
     sp_off = SamplingParams(max_tokens=args.max_tokens, temperature=0, spec_decode=False)
     sp_on = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     rows, identical = [], True
 
     llm = LLM(args.model, speculative_method="ngram", **common)
+    llm_k = llm.engine.engine_config.num_speculative_tokens
     workloads = {"copy": [chat_ids(llm, p) for p in COPY_PROMPTS],
                  "free": [chat_ids(llm, p) for p in FREE_PROMPTS]}
     t0 = time.perf_counter()
@@ -213,7 +216,8 @@ def main() -> None:
             rows.append((f"single {name}", f"draft={os.path.basename(draft)}", on, same))
         del llm
 
-    print(f"\nSpeculative decoding, {args.model}, greedy, chat template, k={args.k}, "
+    k = llm_k if args.k is None else args.k
+    print(f"\nSpeculative decoding, {args.model}, greedy, chat template, k={k}, "
           f"single stream {args.max_tokens} tokens/prompt (stops at EOS), batches x "
           f"{args.batch_max_tokens} tokens, best of {args.reps}, CPU={os.cpu_count()} cores; "
           f"adaptive = calibrated batch budget {budget} tokens/step"

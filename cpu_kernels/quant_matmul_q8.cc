@@ -249,8 +249,10 @@ inline void Rows(const Problem& p, int64_t g, int64_t k0, int64_t chunks, const 
 // result is bit for bit the same whichever path its step takes. Measured
 // through SmolLM2's 30 layers (benchmarks/cpu_matmul.py --int8-activations): 64 rows 47 -> 40
 // ms, 512 rows 269 -> 231; at 4-16 rows no faster than vpdpbusd (the epilogue, which stores,
-// reloads and scales every group's products, costs as much as the products), hence 16.
-constexpr int kAmxMinRows = 16;
+// reloads and scales every group's products, costs as much as the products), hence 32: a tile
+// costs the same for 9 rows as for 16, and speculation's calibration, which times all-padding
+// steps, then took a 16-token step for cheap and let batches of 8 verify drafts at a loss.
+constexpr int kAmxMinRows = 32;
 constexpr int kAmxTileRows = 16;
 
 // Linux gives a process the tile state only when asked for it (once, for every thread).
