@@ -152,7 +152,7 @@ def main() -> None:
     rows, identical = [], True
 
     llm = LLM(args.model, speculative_method="ngram", **common)
-    llm_k = llm.engine.engine_config.num_speculative_tokens
+    llm_k = llm.engine.engine_config.num_speculative_tokens  # --k, or the engine's default
     workloads = {"copy": [chat_ids(llm, p) for p in COPY_PROMPTS],
                  "free": [chat_ids(llm, p) for p in FREE_PROMPTS]}
     t0 = time.perf_counter()
@@ -216,8 +216,7 @@ def main() -> None:
             rows.append((f"single {name}", f"draft={os.path.basename(draft)}", on, same))
         del llm
 
-    k = llm_k if args.k is None else args.k
-    print(f"\nSpeculative decoding, {args.model}, greedy, chat template, k={k}, "
+    print(f"\nSpeculative decoding, {args.model}, greedy, chat template, k={llm_k}, "
           f"single stream {args.max_tokens} tokens/prompt (stops at EOS), batches x "
           f"{args.batch_max_tokens} tokens, best of {args.reps}, CPU={os.cpu_count()} cores; "
           f"adaptive = calibrated batch budget {budget} tokens/step"

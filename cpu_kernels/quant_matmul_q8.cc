@@ -46,6 +46,7 @@ namespace {
 using jaxinfer::load_params;
 
 constexpr int64_t kCols = 64;  // output columns of a block (a work item takes up to kBlocks)
+constexpr int64_t kRowPad = 16;  // xq's rows are padded to a multiple of this (AMX tile rows)
 
 struct Problem {
   const void* values;
@@ -253,7 +254,7 @@ inline void Rows(const Problem& p, int64_t g, int64_t k0, int64_t chunks, const 
 // costs the same for 9 rows as for 16, and speculation's calibration, which times all-padding
 // steps, then took a 16-token step for cheap and let batches of 8 verify drafts at a loss.
 constexpr int kAmxMinRows = 32;
-constexpr int kAmxTileRows = 16;
+constexpr int kAmxTileRows = kRowPad;
 
 // Linux gives a process the tile state only when asked for it (once, for every thread).
 bool AmxUsable() {
@@ -488,8 +489,8 @@ ffi::Error QuantMatmulQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
         "int8 activations need N a multiple of 64, K and the group size multiples of 4 (int4: "
         "groups of at most 128)");
   }
-  // rows padded with zeros to whole AMX tiles (16 rows), which then always take 16 rows
-  std::vector<int8_t> xq(((p.m + 15) / 16) * 16 * p.k, 0);
+  // rows padded with zeros to whole AMX tiles, which then always take kRowPad rows
+  std::vector<int8_t> xq((p.m + kRowPad - 1) / kRowPad * kRowPad * p.k, 0);
   std::vector<uint8_t> xu(p.m * p.k);
   std::vector<float> xdd(p.m * p.num_groups), xs(p.m * p.num_groups);
   QuantizeRows(x.typed_data(), p.m, p.k, group_size, xq.data(), xu.data(), xdd.data(), xs.data());
