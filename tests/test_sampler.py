@@ -453,12 +453,28 @@ def test_rejection_sampler_greedy_rows():
     np.testing.assert_array_equal(np.asarray(out)[1], [1, 5, 3])
 
 
-def test_greedy_argmax_matches_jnp_argmax_with_ties_and_masked_rows():
-    """The sampler's argmax (two plain reductions) equals jnp.argmax: ties go to the lowest id,
-    a row with every token masked to -inf gives 0."""
+@pytest.mark.parametrize("vocab_size", [1000, 3 * sampler.ARGMAX_CHUNK, 32000, 49152])
+def test_greedy_argmax_matches_jnp_argmax_with_ties_and_masked_rows(vocab_size):
+    """The sampler's argmax (chunk maxima, then the first chunk holding the row's maximum)
+    equals jnp.argmax at vocabularies of one chunk, whole chunks and a padded last chunk: ties
+    go to the lowest id (within a chunk and across chunks), a row with every token masked to
+    -inf gives 0."""
     rng = np.random.default_rng(11)
-    logits = rng.integers(-3, 4, (6, 1000)).astype(np.float32)  # many ties at the maximum
+    logits = rng.integers(-3, 4, (8, vocab_size)).astype(np.float32)  # many ties at the maximum
     logits[2] = -np.inf
-    logits[4, :500] = -np.inf
+    logits[4, :vocab_size // 2] = -np.inf
+    logits[5] = -1.0
+    logits[5, [vocab_size - 1, vocab_size // 2 + 1]] = 2.0  # tie across chunks: the lower id wins
+    logits[6] = -1.0
+    logits[6, vocab_size - 1] = 0.5  # the maximum in the last (padded) chunk alone
     x = jnp.asarray(logits)
-    np.testing.assert_array_equal(np.asarray(sampler._argmax(x)), np.asarray(jnp.argmax(x, -1)))
+    got = np.asarray(sampler._argmax(x))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(x, -1)))
+    assert got[5] == vocab_size // 2 + 1 and got[6] == vocab_size - 1 and got[2] == 0
+
+
+def test_greedy_argmax_of_a_nan_row_is_zero():
+    logits = np.zeros((2, 3000), np.float32)
+    logits[0] = np.nan
+    logits[1, 2500] = 1.0
+    np.testing.assert_array_equal(np.asarray(sampler._argmax(jnp.asarray(logits))), [0, 2500])

@@ -301,15 +301,32 @@ def token_logprobs(logits: jax.Array, token_ids: jax.Array) -> jax.Array:
     return ((picked - x_max) - log_sum)[:, 0]
 
 
+ARGMAX_CHUNK = 1024  # vocabulary entries per chunk of `_argmax`'s first pass
+
+
 def _argmax(x: jax.Array) -> jax.Array:
-    """f32[R, V] -> i32[R]: jnp.argmax's result (ties: the lowest id) as two plain reductions,
-    which XLA:CPU vectorizes, where argmax's (value, index) pair reduction is several times
-    slower over a 49k vocabulary. NaN logits are not expected."""
-    vocab_size = x.shape[-1]
-    is_max = x == jnp.max(x, axis=-1, keepdims=True)  # bool[R, V]
-    ids = jnp.arange(vocab_size, dtype=jnp.int32)
-    first = jnp.min(jnp.where(is_max, ids, vocab_size), axis=-1)
-    return jnp.where(first < vocab_size, first, 0)  # a row of NaNs: 0, as for all -inf
+    """f32[R, V] -> i32[R]: jnp.argmax's result (ties: the lowest id) in one pass over the row.
+
+    The row's maxima per chunk of ARGMAX_CHUNK entries are one plain reduction, which XLA:CPU
+    vectorizes; the first chunk that holds the row's maximum is then searched alone. argmax's
+    (value, index) pair reduction is several times slower over a 49k vocabulary, and a max then
+    a masked min over the whole row reads it twice. NaN logits are not expected: a row of NaNs
+    gives 0, as a row of -inf does."""
+    num_rows, vocab_size = x.shape
+    num_chunks = -(-vocab_size // ARGMAX_CHUNK)
+    pad = num_chunks * ARGMAX_CHUNK - vocab_size
+    if pad:  # -inf never wins over a real entry, and ties go to the lower (real) id
+        x = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf)
+    chunks = x.reshape(num_rows, num_chunks, ARGMAX_CHUNK)
+    chunk_max = jnp.max(chunks, axis=-1)  # f32[R, C]
+    row_max = jnp.max(chunk_max, axis=-1, keepdims=True)  # f32[R, 1]
+    chunk_ids = jnp.arange(num_chunks, dtype=jnp.int32)
+    chunk = jnp.min(jnp.where(chunk_max == row_max, chunk_ids, num_chunks), axis=-1)  # i32[R]
+    chunk = jnp.where(chunk < num_chunks, chunk, 0)  # a row of NaNs
+    picked = jnp.take_along_axis(chunks, chunk[:, None, None], axis=1)[:, 0]  # f32[R, ARGMAX_CHUNK]
+    within_ids = jnp.arange(ARGMAX_CHUNK, dtype=jnp.int32)
+    within = jnp.min(jnp.where(picked == row_max, within_ids, ARGMAX_CHUNK), axis=-1)  # i32[R]
+    return jnp.where(within < ARGMAX_CHUNK, chunk * ARGMAX_CHUNK + within, 0)
 
 
 def gather_rows(md: SamplingMetadata, rows: jax.Array) -> SamplingMetadata:

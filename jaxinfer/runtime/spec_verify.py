@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.runtime.sampler import (GREEDY_EPS, SamplerOutput, SamplingMetadata, adjust_logits,
-                                      categorical, gather_rows, row_keys, uses_cutoff, warp_logits)
+                                      categorical, gather_rows, row_keys, token_logprobs,
+                                      uses_cutoff, warp_logits)
 
 
 class SpecInputs(NamedTuple):
@@ -149,21 +150,23 @@ def verify_drafts(
     first = spec.row_ids[:, 0]
     is_greedy = md.temperature[first] < GREEDY_EPS  # padding rows: whatever row R-1 is
 
-    def greedy(_):
-        return greedy_verify(target_ids, spec.draft_ids, spec.num_draft)
+    def greedy(_):  # every emitted token is the sampled one of its row, logprob included
+        emitted, num_accepted = greedy_verify(target_ids, spec.draft_ids, spec.num_draft)
+        logprobs = sampled.logprobs[flat].reshape(num_spec, k_plus_1)
+        return emitted, num_accepted, logprobs
 
     def rejection(_):
         probs = target_probs(logits[flat], gather_rows(md, flat))
         q = None if draft_probs_store is None else draft_probs_store[spec.store_rows]
         keys = row_keys(md.seeds[first], md.positions[first])
-        return rejection_sample(probs.reshape(num_spec, k_plus_1, vocab_size), q, spec.draft_ids,
-                                spec.num_draft, keys, is_greedy=is_greedy, target_argmax=target_ids)
+        emitted, num_accepted = rejection_sample(
+            probs.reshape(num_spec, k_plus_1, vocab_size), q, spec.draft_ids, spec.num_draft, keys,
+            is_greedy=is_greedy, target_argmax=target_ids)
+        logprobs = token_logprobs(logits[flat], jnp.maximum(emitted.reshape(-1), 0))
+        return emitted, num_accepted, logprobs.reshape(num_spec, k_plus_1)
 
-    emitted, num_accepted = jax.lax.cond(jnp.all(is_greedy), greedy, rejection, None)
-    flat_emitted = emitted.reshape(-1)
-    raw = jax.nn.log_softmax(logits[flat].astype(jnp.float32), axis=-1)
-    logprobs = jnp.take_along_axis(raw, jnp.maximum(flat_emitted, 0)[:, None], axis=-1)[:, 0]
+    emitted, num_accepted, logprobs = jax.lax.cond(jnp.all(is_greedy), greedy, rejection, None)
     out = sampled._replace(
-        token_ids=sampled.token_ids.at[flat].set(flat_emitted, mode="drop"),
-        logprobs=sampled.logprobs.at[flat].set(logprobs, mode="drop"))
+        token_ids=sampled.token_ids.at[flat].set(emitted.reshape(-1), mode="drop"),
+        logprobs=sampled.logprobs.at[flat].set(logprobs.reshape(-1), mode="drop"))
     return out, num_accepted
