@@ -123,31 +123,17 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """positions: i32[T] -> the tables `apply_rope` takes, once a step for every layer: cos
-    f32[T, D] (the angles' cosines twice) and sin f32[T, D] (minus their sines, then the sines)."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # f32[T, D/2]
-    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
-    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
+    # positions: i32[T] -> cos, sin: f32[T, head_dim // 2]
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    return jnp.cos(freqs), jnp.sin(freqs)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half RoPE (the HF layout): x1 cos - x2 sin, then x2 cos + x1 sin, for the halves x1,
-    x2 of each head. x: [T, H, D]; cos, sin: f32[T, D] from `rope_cos_sin`.
-
-    Written as x * cos + roll(x, D/2) * sin with the signs in the table, not as the two halves
-    concatenated: XLA:CPU compiles the concatenation of two computed halves into a slow loop
-    (docs/performance.md, the speculation section)."""
-    half = x.shape[-1] // 2
-    return (x * cos[:, None, :].astype(x.dtype)
-            + jnp.roll(x, half, axis=-1) * sin[:, None, :].astype(x.dtype))
-
-
-def apply_rope_reference(x: jax.Array, cos_half: jax.Array, sin_half: jax.Array) -> jax.Array:
-    """Plain rotate-half RoPE as transformers writes it. x: [T, H, D]; cos_half, sin_half:
-    f32[T, D // 2] (the angles' cosines and sines)."""
+    """Rotate-half RoPE (the HF layout). x: [T, H, D]; cos/sin: f32[T, D // 2]."""
     x1, x2 = jnp.split(x, 2, axis=-1)
-    c, s = cos_half[:, None, :], sin_half[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    cos = cos[:, None, :].astype(x.dtype)
+    sin = sin[:, None, :].astype(x.dtype)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 class QuantizedLinear(Linear):

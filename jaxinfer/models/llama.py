@@ -39,7 +39,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, kv_cache: KVCache, layer, md: AttentionMetadata,
                  attention_backend: str, mesh: Mesh | None = None):
-        # x: [T, hidden]; cos, sin: f32[T, D] (rope_cos_sin); layer: i32[]; mesh: tensor-parallel (ops)
+        # x: [T, hidden]; cos, sin: f32[T, D // 2]; layer: i32[]; mesh: tensor-parallel (ops)
         num_tokens = x.shape[0]
         q_size = self.num_heads * self.head_dim
         with jax.named_scope("qkv_proj"):
