@@ -46,7 +46,8 @@ namespace {
 using jaxinfer::load_params;
 
 constexpr int64_t kCols = 64;  // output columns of a block (a work item takes up to kBlocks)
-constexpr int64_t kRowPad = 16;  // xq's rows are padded to a multiple of this (AMX tile rows)
+constexpr int64_t kRowPad = 16;  // AMX tile rows: xq's rows are padded to a multiple of this
+constexpr int64_t kAmxMinRows = 32;  // the fewest rows of x that go through AMX (see AmxRows)
 
 struct Problem {
   const void* values;
@@ -247,13 +248,10 @@ inline void Rows(const Problem& p, int64_t g, int64_t k0, int64_t chunks, const 
 // each; xq is padded with zero rows), B = the part's interleaved codes (8 rows of 64 bytes:
 // Interleave4's vector v of each chunk, 256 bytes apart in the buffer), C = the rows' exact int32
 // dot products, the same integers vpdpbusd sums, scaled by the same AddScaled, so a row's
-// result is bit for bit the same whichever path its step takes. Measured
-// through SmolLM2's 30 layers (benchmarks/cpu_matmul.py --int8-activations): 64 rows 47 -> 40
-// ms, 512 rows 269 -> 231; at 4-16 rows no faster than vpdpbusd (the epilogue, which stores,
-// reloads and scales every group's products, costs as much as the products), hence 32: a tile
-// costs the same for 9 rows as for 16, and speculation's calibration, which times all-padding
-// steps, then took a 16-token step for cheap and let batches of 8 verify drafts at a loss.
-constexpr int kAmxMinRows = 32;
+// result is bit for bit the same whichever path its step takes. From kAmxMinRows = 32 rows: at
+// 4-16 rows it is no faster than vpdpbusd (the epilogue, which stores, reloads and scales every
+// group's products, costs as much as the products), and a tile costs the same for 9 rows as for
+// 16, which misled speculation's calibration (docs/performance.md, the AMX table).
 constexpr int kAmxTileRows = kRowPad;
 
 // Linux gives a process the tile state only when asked for it (once, for every thread).
@@ -356,11 +354,9 @@ void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
 #ifdef JAXINFER_Q8_AMX
   const bool amx = p.m >= kAmxMinRows && gs % kPartK == 0 &&
                    (p.bits == 4 ? (p.k / 2) % kPartK : p.k % kPartK) == 0 && AmxUsable();
+  if (amx) ConfigureTiles(kAmxTileRows);
 #else
   constexpr bool amx = false;
-#endif
-#ifdef JAXINFER_Q8_AMX
-  if (amx) ConfigureTiles(kAmxTileRows);
 #endif
   alignas(64) __m512i lo[kBlocks * kPartK], hi[kBlocks * kPartK];  // kPartK / 4 chunks x 4
   __m512 s_lo[4], s_hi[4], o_lo[4], o_hi[4];
@@ -489,8 +485,9 @@ ffi::Error QuantMatmulQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
         "int8 activations need N a multiple of 64, K and the group size multiples of 4 (int4: "
         "groups of at most 128)");
   }
-  // rows padded with zeros to whole AMX tiles, which then always take kRowPad rows
-  std::vector<int8_t> xq((p.m + kRowPad - 1) / kRowPad * kRowPad * p.k, 0);
+  // where AMX may run, rows padded with zeros to whole tiles, which then always take kRowPad rows
+  const int64_t xq_rows = p.m >= kAmxMinRows ? (p.m + kRowPad - 1) / kRowPad * kRowPad : p.m;
+  std::vector<int8_t> xq(xq_rows * p.k, 0);
   std::vector<uint8_t> xu(p.m * p.k);
   std::vector<float> xdd(p.m * p.num_groups), xs(p.m * p.num_groups);
   QuantizeRows(x.typed_data(), p.m, p.k, group_size, xq.data(), xu.data(), xdd.data(), xs.data());
