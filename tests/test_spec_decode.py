@@ -90,6 +90,45 @@ def test_spec_policy_adapts_k_to_acceptance_and_batch():
     assert SpecPolicy.calibrated_max_batched_tokens({1: .01, 8: .01, 64: .012, 256: .03}) == 64
 
 
+def test_spec_policy_weighs_drafts_by_measured_step_cost():
+    """With step times measured, rule 1 takes the draft count with the most expected tokens per
+    unit of step time (by hand below), drafts nothing unless that beats a plain step by
+    MIN_GAIN, and probes less often where a probe's step costs more; with flat step times (a
+    latency-bound device) the threshold rule alone decides."""
+    cpu = ((1, 1.0), (2, 1.4), (4, 2.1), (8, 2.8), (9, 2.8), (16, 3.4), (32, 6.0))
+    policy = SpecPolicy(8, max_batched_tokens=64, min_accept_prob=0.3, step_seconds=cpu)
+    plain = SpecPolicy(8, max_batched_tokens=64, min_accept_prob=0.3)
+    req = _req()  # alpha 0.75: the threshold rule allows 4 (0.75**4 >= 0.3)
+    assert plain.num_drafts(req, 1) == 4
+    # tokens per step time, E(j) / c(1 + j): j=1 1.75/1.4=1.25, j=2 2.31/2.1=1.10,
+    # j=3 2.73/2.1=1.30, j=4 3.05/2.8 (padded to 8 tokens)=1.09
+    assert policy.num_drafts(req, 1) == 3
+    # alpha 0.6: threshold 2; j=1 1.6/1.4=1.14, j=2 1.96/2.1=0.93
+    assert policy.num_drafts(_req(spec_accept_num=0.6, spec_accept_den=1.0), 1) == 1
+    # alpha 0.5: threshold 1; j=1 1.5/1.4=1.07 < MIN_GAIN: none
+    half = _req(spec_accept_num=0.5, spec_accept_den=1.0)
+    assert plain.num_drafts(half, 1) == 1 and policy.num_drafts(half, 1) == 0
+    # alpha 0.95: threshold 8; j=8 (1 - 0.95**9)/0.05=6.30/2.8=2.25, the best
+    assert policy.num_drafts(_req(spec_accept_num=0.95, spec_accept_den=1.0), 1) == 8
+    # 4 requests: steps of 4 (2.1) against 8, 12->16, 16, 20->32 tokens:
+    # j=1 1.75*2.1/2.8=1.31, j=2 2.31*2.1/3.4=1.43, j=3 2.73*2.1/3.4=1.69, j=4 3.05*2.1/6.0=1.07
+    assert policy.num_drafts(req, 4) == 3
+    # probes: a 2-token step costs 0.4 more, so one every 0.4 / PROBE_OVERHEAD steps
+    assert policy.probe_interval(1) == 20 > PROBE_INTERVAL == plain.probe_interval(1)
+    for _ in range(19):
+        policy.observe(half, 0, 0)
+    assert policy.num_drafts(half, 1) == 0
+    policy.observe(half, 0, 0)
+    assert policy.num_drafts(half, 1) == 1
+    # flat step times: the same counts as the threshold rule alone
+    flat = SpecPolicy(8, max_batched_tokens=64, min_accept_prob=0.3,
+                      step_seconds=((1, 1.0), (8, 1.0), (16, 1.05), (64, 1.1)))
+    for alpha in (0.4, 0.5, 0.6, 0.75, 0.9):
+        r = _req(spec_accept_num=alpha, spec_accept_den=1.0)
+        assert flat.num_drafts(r, 1) == plain.num_drafts(r, 1) > 0, alpha
+    assert flat.probe_interval(1) == PROBE_INTERVAL
+
+
 def test_calibration_sets_the_budget_from_timed_steps(tiny_ngram_llm, monkeypatch):
     """warmup()'s calibration times one plain step per token bucket (here on a virtual clock: a
     step of T tokens sampling R rows takes 1 ms + 0.1 ms T + 0.05 ms R) and sets rule 2's budget
@@ -116,6 +155,8 @@ def test_calibration_sets_the_budget_from_timed_steps(tiny_ngram_llm, monkeypatc
         knee = max(t for t, s in plain.items() if s <= 1.5 * plain[1])
         k = eng.engine_config.num_speculative_tokens
         assert budget == eng.scheduler.spec_policy.max_batched_tokens == max(knee, k + 1)
+        # rule 1's step times: each bucket's (the best of its timings; here all alike)
+        assert dict(eng.scheduler.spec_policy.step_seconds) == pytest.approx(plain)
         assert 1 < knee < max(plain)
         # a slower device: the knee is 1 token, and one request may still verify K drafts
         clock[0] = 0.0

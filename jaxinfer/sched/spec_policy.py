@@ -26,6 +26,17 @@ limit and max_tokens:
    not; where steps stay latency-bound to hundreds of tokens (a GPU, a small model) batches
    speculate too.
 
+Once the engine has timed its steps (`calibrated`), rule 1 also weighs what the drafts cost: of
+the k that rule allows, it takes the one with the most expected tokens per unit of step time,
+E(j) / c(j), where E(j) = (1 - alpha**(j + 1)) / (1 - alpha) is what a verification of j drafts
+emits (the accepted drafts and the target's own token) and c(j) the measured time of the batch's
+step with j drafts each over its time with none; no drafts where no j beats E(0) / c(0) = 1 by
+MIN_GAIN (the model of alpha is rough, and a step with drafts costs the host a little more).
+Where a verification of 8 drafts costs ~3x a one-token step (float matmuls on a small CPU) a
+request at alpha 0.75 then verifies 3 drafts, not 4, and one at 0.5 none (the threshold rule
+alone: 1); where it costs ~1x (a GPU) the threshold rule alone decides. A request at k = 0 likewise probes less often where
+a probe costs more: at most PROBE_OVERHEAD of its steps' time goes to probes that find nothing.
+
 Requests opt in or out with `SamplingParams.spec_decode` (None: the engine's default, which is on
 when a speculative method is configured).
 """
@@ -43,7 +54,9 @@ DEFAULT_MAX_BATCHED_TOKENS = 64  # rule 2's budget until `calibrated_max_batched
 KNEE_SLOWDOWN = 1.5  # rule 2's budget: the largest step no slower than this x a one-token step
 # The prior, alpha = 0.75 before any verification (decays away like any observation), lives in
 # Request's defaults: spec_accept_num = 3.0, spec_accept_den = 4.0.
-PROBE_INTERVAL = 8  # decode steps between one-draft probes of a request at k = 0
+PROBE_INTERVAL = 8  # decode steps between one-draft probes of a request at k = 0 (at least)
+MIN_GAIN = 1.1  # with measured step times: drafts only where they promise this x the tokens/s
+PROBE_OVERHEAD = 0.02  # with measured step times: the share of time a fruitless probe may cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +65,8 @@ class SpecPolicy:
     max_batched_tokens: int = 64  # decode + draft tokens per step (rule 2)
     min_accept_prob: float = 0.3  # rule 1's threshold on alpha**j
     draft_lookahead: bool = False  # a draft model writes its drafts' K/V in the step: hold pages
+    # measured step seconds by tokens per step, ((tokens, seconds), ...) ascending; () unmeasured
+    step_seconds: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def from_config(cls, ec: EngineConfig) -> "SpecPolicy | None":
@@ -76,6 +91,36 @@ class SpecPolicy:
         if alpha <= 0.0 or alpha < theta:
             return 0
         return min(big_k, int(math.floor(math.log(theta) / math.log(alpha) + 1e-9)))
+
+    def step_time(self, num_tokens: int) -> float:
+        """Measured seconds of a step of `num_tokens` tokens: the smallest measured step at least
+        that large (the bucket it is padded to), or the largest one measured."""
+        for tokens, seconds in self.step_seconds:
+            if tokens >= num_tokens:
+                return seconds
+        return self.step_seconds[-1][1]
+
+    def num_drafts_for_cost(self, alpha: float, k_max: int, num_requests: int) -> int:
+        """The j <= k_max with the most expected tokens per unit of step time for a batch of
+        `num_requests` each verifying j drafts; 0 where none beats a step without drafts by MIN_GAIN."""
+        if not self.step_seconds or k_max <= 0:
+            return k_max
+        base = self.step_time(num_requests)
+        best, best_rate = 0, MIN_GAIN
+        for j in range(1, k_max + 1):
+            emitted = j + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (j + 1)) / (1.0 - alpha)
+            rate = emitted * base / self.step_time(num_requests * (j + 1))
+            if rate > best_rate:
+                best, best_rate = j, rate
+        return best
+
+    def probe_interval(self, num_requests: int) -> int:
+        """Decode steps between one-draft probes of a request at k = 0: PROBE_INTERVAL, or more
+        where a probe's step costs more than PROBE_OVERHEAD of a plain step per step waited."""
+        if not self.step_seconds:
+            return PROBE_INTERVAL
+        extra = self.step_time(num_requests + 1) / self.step_time(num_requests) - 1.0
+        return max(PROBE_INTERVAL, math.ceil(extra / PROBE_OVERHEAD))
 
     def observe(self, req: Request, num_draft: int, num_accepted: int) -> None:
         """After a decode step of a speculating request: `num_draft` verified, `num_accepted` kept."""
@@ -102,7 +147,8 @@ class SpecPolicy:
         (docs/performance.md, the speculation table)."""
         budget = max(self.calibrated_max_batched_tokens(step_seconds),
                      self.num_speculative_tokens + 1)
-        return dataclasses.replace(self, max_batched_tokens=budget)
+        return dataclasses.replace(self, max_batched_tokens=budget,
+                                   step_seconds=tuple(sorted(step_seconds.items())))
 
     # -- both rules -------------------------------------------------------------------------
     def max_drafts_for_batch(self, num_requests: int) -> int:
@@ -113,7 +159,9 @@ class SpecPolicy:
         if not req.spec_enabled:
             return 0
         k_batch = min(self.num_speculative_tokens, self.max_drafts_for_batch(num_requests))
-        k = min(k_batch, self.num_drafts_for_acceptance(self.acceptance(req)))
-        if k == 0 and k_batch > 0 and req.spec_idle_steps >= PROBE_INTERVAL:
+        alpha = self.acceptance(req)
+        k = min(k_batch, self.num_drafts_for_acceptance(alpha))
+        k = self.num_drafts_for_cost(alpha, k, num_requests)
+        if k == 0 and k_batch > 0 and req.spec_idle_steps >= self.probe_interval(num_requests):
             return 1
         return k
