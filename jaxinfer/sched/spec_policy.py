@@ -34,8 +34,9 @@ step with j drafts each over its time with none; no drafts where no j beats E(0)
 MIN_GAIN (the model of alpha is rough, and a step with drafts costs the host a little more).
 Where a verification of 8 drafts costs ~3x a one-token step (float matmuls on a small CPU) a
 request at alpha 0.75 then verifies 3 drafts, not 4, and one at 0.5 none (the threshold rule
-alone: 1); where it costs ~1x (a GPU) the threshold rule alone decides. A request at k = 0 likewise probes less often where
-a probe costs more: at most PROBE_OVERHEAD of its steps' time goes to probes that find nothing.
+alone: 1); where it costs ~1x (a GPU) the threshold rule alone decides. A request at k = 0
+likewise probes less often where a probe costs more: at most PROBE_OVERHEAD of its steps' time
+goes to probes that find nothing.
 
 Requests opt in or out with `SamplingParams.spec_decode` (None: the engine's default, which is on
 when a speculative method is configured).
@@ -102,7 +103,8 @@ class SpecPolicy:
 
     def num_drafts_for_cost(self, alpha: float, k_max: int, num_requests: int) -> int:
         """The j <= k_max with the most expected tokens per unit of step time for a batch of
-        `num_requests` each verifying j drafts; 0 where none beats a step without drafts by MIN_GAIN."""
+        `num_requests` each verifying j drafts; 0 where none beats a step without drafts by
+        MIN_GAIN."""
         if not self.step_seconds or k_max <= 0:
             return k_max
         base = self.step_time(num_requests)
