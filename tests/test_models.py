@@ -234,6 +234,33 @@ def test_dummy_load_any_config(tmp_path):
     assert np.isfinite(np.asarray(logits)).all()
 
 
+def _compiled_cosines(path, num_layers: int) -> int:
+    """cosine ops in the optimized HLO of an unrolled tiny Llama step of `num_layers` layers."""
+    (path / "config.json").write_text(
+        tiny_hf_config("llama", num_hidden_layers=num_layers).to_json_string())
+    config, model = load_model(str(path / "config.json"), EngineConfig(load_format="dummy"))
+    model.unroll_layers()
+    ids, positions, md = paged_batch([([5, 6, 7], 0, [1])], page_size=PAGE_SIZE, num_tokens=4,
+                                     num_seqs=1, pages_per_seq=1)
+    cache = allocate_kv_cache(config, 2, PAGE_SIZE, jnp.float32)
+    graphdef, state = nnx.split(model)
+
+    def forward(state, ids, positions, cache, md):  # arguments, as in a step: not constants
+        return nnx.merge(graphdef, state)(ids, positions, cache, md, attention_backend="xla")
+
+    compiled = jax.jit(forward).lower(state, ids, positions, cache, md).compile()
+    return compiled.as_text().count(" cosine(")
+
+
+def test_rope_angles_are_computed_once_a_step(tmp_path_factory):
+    """cos/sin of the positions are evaluated once a step, however many layers use them: fused
+    into each layer's rope, XLA evaluated them per element of every layer's q and k."""
+    one = _compiled_cosines(tmp_path_factory.mktemp("one"), 1)
+    four = _compiled_cosines(tmp_path_factory.mktemp("four"), 4)
+    assert one >= 1
+    assert four == one
+
+
 # ---- the real default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers on the same file
 
 

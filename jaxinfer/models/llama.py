@@ -146,7 +146,13 @@ class LlamaForCausalLM(nnx.Module):
         # input_ids, positions: i32[T] -> hidden [T, hidden_size], kv_cache (updated); mesh: the
         # tensor-parallel mesh the weights and cache are placed on, where the attention kernels
         # run per device (ops/sharded.py); None on one device
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))
+        inv_freq = rope_inv_freq(self.config)
+        # computed once a step: XLA would otherwise fuse cos and sin into every layer's rope and
+        # evaluate them per element of q and k (layers x [T, Hq + Hkv, D] transcendentals). XLA
+        # removes optimization barriers before fusing; it does not fuse across a conditional on a
+        # runtime predicate (here both branches are the same, so the predicate does not matter)
+        cos, sin = jax.lax.cond(positions[0] >= 0, rope_cos_sin, rope_cos_sin, positions,
+                                inv_freq)
         hidden = self.embed_tokens(input_ids)
         if self.layers_unrolled:
             for i, decoder_layer in enumerate(self.layers):
