@@ -122,10 +122,23 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return inv_freq.astype(np.float32)
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+def _angles(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
     # positions: i32[T] -> cos, sin: f32[T, head_dim // 2]
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos, sin: f32[T, head_dim // 2] of positions i32[T], computed once for every layer.
+
+    On the CPU they are computed in a conditional on a runtime predicate whose two branches are
+    the same: XLA:CPU would otherwise fuse them into every layer's rope and evaluate them per
+    element of q and k (layers x [T, Hq + Hkv, D] transcendentals); it removes optimization
+    barriers before fusing, but does not fuse across a conditional. Not on a GPU, where a
+    conditional waits for its predicate on the host."""
+    if jax.default_backend() == "cpu":
+        return jax.lax.cond(positions[0] >= 0, _angles, _angles, positions, inv_freq)
+    return _angles(positions, inv_freq)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

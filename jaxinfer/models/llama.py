@@ -146,18 +146,7 @@ class LlamaForCausalLM(nnx.Module):
         # input_ids, positions: i32[T] -> hidden [T, hidden_size], kv_cache (updated); mesh: the
         # tensor-parallel mesh the weights and cache are placed on, where the attention kernels
         # run per device (ops/sharded.py); None on one device
-        inv_freq = rope_inv_freq(self.config)
-        if jax.default_backend() == "cpu":
-            # computed once a step: XLA:CPU would otherwise fuse cos and sin into every layer's
-            # rope and evaluate them per element of q and k (layers x [T, Hq + Hkv, D]
-            # transcendentals). It removes optimization barriers before fusing, but does not fuse
-            # across a conditional on a runtime predicate (both branches are the same, so the
-            # predicate does not matter). Not on a GPU, where a conditional waits for its
-            # predicate on the host.
-            cos, sin = jax.lax.cond(positions[0] >= 0, rope_cos_sin, rope_cos_sin, positions,
-                                    inv_freq)
-        else:
-            cos, sin = rope_cos_sin(positions, inv_freq)
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(self.config))
         hidden = self.embed_tokens(input_ids)
         if self.layers_unrolled:
             for i, decoder_layer in enumerate(self.layers):
