@@ -7,7 +7,9 @@ Single stream (one request at a time, greedy, SmolLM2's chat template): copy-hea
 or edit a given code block, answer with quotes from a given text) and free-form prompts, each run
 with speculation off (`spec_decode=False`) and on (n-gram prompt lookup; `--draft` adds a draft
 model, by default the target itself, which shows the machinery, not a speed-up). Reports output
-tokens/s, acceptance rate and mean accepted length (tokens per verification step), and checks
+tokens/s over each whole request and, single stream, over its decode phase alone (the tokens
+after the first over the time after it: speculation's own speed-up, without the prefill both
+pay alike), acceptance rate and mean accepted length (tokens per verification step), and checks
 the greedy output is identical. Batches of 8 and `--batch` requests at once (the same prompts,
 repeated): throughput with the adaptive policy (speculation shrinks, then switches off, as the
 batch grows: sched/spec_policy.py) vs speculation off, vs speculation forced on at any size (the
@@ -71,13 +73,18 @@ def chat_ids(llm: LLM, prompt: str) -> list[int]:
 def run_single(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> dict:
     eng = llm.engine
     m0 = eng.metrics
-    tokens, seconds = [], 0.0
+    tokens, seconds, decode_seconds = [], 0.0, 0.0
     for p in prompts:
         t0 = time.perf_counter()
         out = llm.generate([p], sp, use_tqdm=False)[0]
         seconds += time.perf_counter() - t0
         tokens.append(out.outputs[0].token_ids)
-    return _result(eng, m0, tokens, seconds)
+        decode_seconds += out.metrics.last_token_time - out.metrics.first_token_time
+    r = _result(eng, m0, tokens, seconds)
+    # the decode phase alone: tokens after each request's first over the time after it (the
+    # prefill and its first token cost the same with or without speculation)
+    r["decode_tok_s"] = sum(len(t) - 1 for t in tokens) / decode_seconds
+    return r
 
 
 def run_batch(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> dict:
@@ -94,7 +101,7 @@ def _result(eng, m0, tokens, seconds) -> dict:
     accepted = m.num_accepted_tokens_total - m0.num_accepted_tokens_total
     steps = m.num_spec_steps_total - m0.num_spec_steps_total
     num_out = sum(len(t) for t in tokens)
-    return dict(tok_s=num_out / seconds, seconds=seconds, num_out=num_out, tokens=tokens,
+    return dict(tok_s=num_out / seconds, decode_tok_s=None, seconds=seconds, num_out=num_out, tokens=tokens,
                 acceptance=accepted / drafted if drafted else float("nan"),
                 mean_len=1 + accepted / steps if steps else float("nan"),
                 drafted=drafted, compiles=m.num_compilations - m0.num_compilations)
@@ -221,14 +228,23 @@ def main() -> None:
           f"{args.batch_max_tokens} tokens, best of {args.reps}, CPU={os.cpu_count()} cores; "
           f"adaptive = calibrated batch budget {budget} tokens/step"
           + (f"; engine: {args.engine_arg}" if args.engine_arg else ""))
-    print(f"{'workload':>14} | {'speculation':>15} | {'tok/s':>7} | {'ratio':>6} | {'accept':>6} | "
-          f"{'mean len':>8} | {'drafts':>6} | same")
-    print("-" * 92)
-    base = {}
+    print("tok/s: output tokens over the whole of each request (prefill included); decode tok/s: "
+          "tokens after each request's first over the time after it (single stream only)")
+    print(f"{'workload':>14} | {'speculation':>15} | {'tok/s':>7} | {'ratio':>6} | "
+          f"{'decode tok/s':>12} | {'ratio':>6} | {'accept':>6} | {'mean len':>8} | "
+          f"{'drafts':>6} | same")
+    print("-" * 114)
+    base, decode_base = {}, {}
     for workload, mode, r, same in rows:
         base.setdefault(workload, r["tok_s"])
         ratio = r["tok_s"] / base[workload]
-        print(f"{workload:>14} | {mode:>15} | {r['tok_s']:7.1f} | {ratio:5.2f}x | "
+        decode = r["decode_tok_s"]
+        if decode is None:
+            decode_cols = f"{'':>12} | {'':>6}"
+        else:
+            decode_base.setdefault(workload, decode)
+            decode_cols = f"{decode:12.1f} | {decode / decode_base[workload]:5.2f}x"
+        print(f"{workload:>14} | {mode:>15} | {r['tok_s']:7.1f} | {ratio:5.2f}x | {decode_cols} | "
               f"{r['acceptance']:6.1%} | {r['mean_len']:8.2f} | {r['drafted']:6d} | "
               f"{'' if same is None else same}")
     print(f"greedy output identical with and without speculation: {identical}")

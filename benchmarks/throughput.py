@@ -1,6 +1,7 @@
 """Continuous vs static batching, KV utilisation, and the prefix cache, on the same engine code.
 
     python benchmarks/throughput.py [--num-requests 256] [--prefix-requests 64] [--model smollm2-135m]
+                                    [--engine-arg KEY=VALUE ...]
 
 Workload (fixed seed): prompt lengths uniform in [16, 1024] tokens, output lengths from an
 exponential (mean 128) capped at 512, greedy with ignore_eos so lengths are exact. All modes run
@@ -31,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
 from jaxinfer.sched.scheduler import Scheduler  # noqa: E402
+from peers import parse_engine_args  # noqa: E402
 
 
 def workload(n: int, seed: int, vocab: int, max_prompt: int, mean_out: int, cap_out: int):
@@ -109,6 +111,9 @@ def main() -> None:
     ap.add_argument("--skip-static", action="store_true")
     ap.add_argument("--modes", default="continuous,static,static-padded",
                     help="comma-separated modes to run (e.g. static alone, to finish a long run)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="an EngineConfig setting for every mode (repeatable; values as JSON), "
+                         "e.g. kv_cache_dtype=float16 (the CPU preset's cache)")
     ap.add_argument("--dummy", action="store_true",
                     help="random weights of the model's shapes (MODEL = a directory with config.json "
                          "and tokenizer files, e.g. configs/models/smollm2-135m-shapes): the same "
@@ -117,7 +122,8 @@ def main() -> None:
 
     common = dict(page_size=16, num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=args.max_prompt + args.cap_out + 16)
+                  max_model_len=args.max_prompt + args.cap_out + 16,
+                  **parse_engine_args(args.engine_arg))
     rows = []
     results = {}
     # One engine (one set of compiled executables) for both modes: static only swaps the scheduler.
@@ -155,7 +161,8 @@ def main() -> None:
     print(f"\nThroughput, {args.model}, {args.num_requests} requests, prompts 16-{args.max_prompt}, "
           f"outputs exp(mean {args.mean_out}) cap {args.cap_out}, greedy, "
           f"{jax.devices()[0].device_kind}, {os.cpu_count()} CPU cores"
-          f"{', random weights of its shapes' if args.dummy else ''}")
+          f"{', random weights of its shapes' if args.dummy else ''}"
+          + (f"; engine: {args.engine_arg}" if args.engine_arg else ""))
     bases = [m for m in ("static", "static-padded") if m in results]
     print(f"{'mode':>13} | {'out tok/s':>9} | {'seconds':>8} | {'CPU s':>7} | {'steps':>6} | "
           f"{'KV util':>7} | "

@@ -255,9 +255,11 @@ void Int4BlockAvx512(const Problem& p, int64_t m0, int64_t c0) {
 
 
 // One row of x against int4 codes without widening shuffles: a 64-byte load holds 64 columns'
-// codes as 16 dwords of 4 bytes; (v >> 4 t') & 15 takes one nibble of every dword, so the 8
-// shifted copies of the load are 8 vectors of codes, the t-th byte of each dword (columns
-// 4 d + t, d = 0..15) from the low (row i) or high (row K/2 + i) nibble. The accumulators live
+// codes as 16 dwords of 4 bytes; v >> 4 t' brings one nibble of every dword to its low 4 bits,
+// the only bits of an index vpermps reads, so a lookup in the floats 0 .. 15 turns each shifted
+// copy of the load into a vector of codes as floats (a shift and a lookup a vector, where a
+// mask and an int-to-float conversion took two more). The 8 copies hold the t-th byte of each dword
+// (columns 4 d + t, d = 0..15), low (row i) or high (row K/2 + i) nibble. The accumulators live
 // in that permuted column order; each group's scales and minimums are permuted to it once, and
 // the result is put back in column order at the end.
 inline __m512 permuted_param(const __m512 s[4], int t) {
@@ -274,7 +276,7 @@ void Int4RowShifted(const Problem& p, int64_t m, int64_t c0) {
   const uint8_t* q = static_cast<const uint8_t*>(p.values);
   const int64_t gs = p.group_size, kh = p.k / 2, half_groups = kh / gs;
   const bool asym = p.mins != nullptr;
-  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  const __m512 nibbles = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const float* x = p.x + m * p.k;
   __m512 out[C][4];  // out[c][t] lane d: column c0 + 64 c + 4 d + t
   for (int c = 0; c < C; ++c)
@@ -297,10 +299,11 @@ void Int4RowShifted(const Problem& p, int64_t m, int64_t c0) {
       for (int c = 0; c < C; ++c) {
         const __m512i v = _mm512_loadu_si512(row + 64 * c);
         for (int t = 0; t < 4; ++t) {
-          const __m512i l = _mm512_and_si512(_mm512_srli_epi32(v, 8 * t), low4);
-          const __m512i u = _mm512_and_si512(_mm512_srli_epi32(v, 8 * t + 4), low4);
-          acc_lo[c][t] = _mm512_fmadd_ps(vl, _mm512_cvtepi32_ps(l), acc_lo[c][t]);
-          acc_hi[c][t] = _mm512_fmadd_ps(vh, _mm512_cvtepi32_ps(u), acc_hi[c][t]);
+          // vpermps reads the low 4 bits of each lane: the nibble, looked up as its float value
+          const __m512 l = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * t), nibbles);
+          const __m512 u = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * t + 4), nibbles);
+          acc_lo[c][t] = _mm512_fmadd_ps(vl, l, acc_lo[c][t]);
+          acc_hi[c][t] = _mm512_fmadd_ps(vh, u, acc_hi[c][t]);
         }
       }
     }
