@@ -18,7 +18,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from cpu_kernels.ragged_paged_attention import MAX_PAGE_SIZE as MAX_CPU_PAGE_SIZE
 from jaxinfer.ops.kv_cache import allocate_kv_cache
 from jaxinfer.runtime.draft_model import DraftModel
-from jaxinfer.runtime import memory_maps
+from jaxinfer.runtime import huge_pages, memory_maps
 from jaxinfer.runtime.executable_cache import ExecutableCache
 from jaxinfer.runtime.mesh import available_ram, tp_size
 from jaxinfer.runtime.sampler import NO_LOGPROBS, TOKEN_LOGPROBS, TOP_LOGPROBS
@@ -53,6 +53,9 @@ class ModelRunner:
         if ops.unrolled_layers_faster():
             model.unroll_layers()
         graphdef, self.state = nnx.split(model)
+        if mesh is None and jax.default_backend() == "cpu":
+            self.state = huge_pages.rehome(self.state)  # fewer TLB misses reading the weights
+            nnx.update(model, self.state)  # the module's references move too: the old arrays go
         self.draft = draft
         self._step = (make_jitted_step(graphdef) if draft is None
                       else make_jitted_draft_step(graphdef, draft.graphdef))
