@@ -2,6 +2,7 @@
 
     JAX_PLATFORMS=cpu python benchmarks/cpu_matmul.py                 # rows 1 .. 512
     JAX_PLATFORMS=cpu python benchmarks/cpu_matmul.py --rows 1,16,64
+    JAX_PLATFORMS=cpu python benchmarks/cpu_matmul.py --rows 1,9 --against /tmp/old.cc
 
 One jitted call runs the weight matmuls of SmolLM2-135M's 30 layers (fused q/k/v [576, 960],
 o [576, 576], fused gate/up [576, 3072], down [1536, 576]) on M rows, each layer's output
@@ -10,15 +11,19 @@ feeding the next so XLA cannot overlap them: once through the C++ kernel on Q4_1
 `jnp.dot` on float32 weights of the same shapes (~425 MB). The two run interleaved, round after
 round, and the best round of each is kept, so load from other users of a shared machine hits
 both alike. This is where `cpu_kernels.quant_matmul.dense_faster_above_rows` comes from: the
-row count above which the engine would rather keep a float copy of each weight.
+row count above which the engine would rather keep a float copy of each weight. With --against,
+the float kernel built from another version of `quant_matmul.cc` runs too, interleaved, after
+a check that its product of one layer's matrix equals this version's bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -26,6 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from cpu_kernels import build  # noqa: E402
 from cpu_kernels import quant_matmul as cpu_quant  # noqa: E402
 
 LAYERS, HIDDEN, FFN, KV = 30, 576, 1536, 192
@@ -37,6 +43,30 @@ def codes(rng, k: int, n: int):
     return (jnp.asarray(rng.integers(0, 256, (k // 2, n), dtype=np.uint8)),
             jnp.asarray((rng.random((k // 32, n)) * 0.01).astype(np.float16)),
             jnp.asarray((rng.random((k // 32, n)) * -0.005).astype(np.float16)))
+
+
+def target_from(source: Path) -> str:
+    """Compile `source` (a version of quant_matmul.cc) and register its float kernel."""
+    compiler = build._compiler()
+    key = build._binary_key(source.read_bytes(), compiler)
+    lib_path = build.cache_dir() / f"quant_matmul-against-{key}.so"
+    if not lib_path.is_file():
+        build._compile(source, lib_path, compiler)
+    lib = ctypes.cdll.LoadLibrary(str(lib_path))
+    name = "quant_matmul_against.JaxinferQuantMatmul"
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.JaxinferQuantMatmul), platform="cpu")
+    return name
+
+
+def int4_matmul(target: str):
+    """x @ W through kernel `target` for Q4_1-shaped codes (quant_matmul's call, float x)."""
+    def matmul(x, w):
+        values, scales, mins = w
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], values.shape[1]),
+                                                             jnp.float32))
+        return call(x, values, scales, mins, bits=np.int64(4), group_size=np.int64(32),
+                    has_mins=np.int64(1))
+    return matmul
 
 
 def layers(matmul):
@@ -55,6 +85,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--against", type=Path, help="another version of quant_matmul.cc")
     ap.add_argument("--int8-activations", action="store_true",
                     help="also the kernel with x rounded to int8 (integer dot products)")
     args = ap.parse_args(argv)
@@ -68,12 +99,17 @@ def main(argv=None) -> int:
     runs = {"kernel": (layers(lambda x, w: cpu_quant.quant_matmul(x, *w, bits=4, group_size=32)),
                        quantized),
             "xla": (layers(jnp.dot), dense)}
+    if args.against:
+        against = int4_matmul(target_from(args.against))
+        runs["against"] = (layers(against), quantized)
     if args.int8_activations:
         runs["q8"] = (layers(lambda x, w: cpu_quant.quant_matmul(
             x, *w, bits=4, group_size=32, int8_activations=True)), quantized)
     print(f"SmolLM2-135M's 30 layers of weight matmuls, one jitted call ({jax.devices()[0]}, "
           f"{os.cpu_count()} cores; best of {args.rounds} rounds, interleaved)")
     head = "| rows | C++ kernel on int4 codes, ms | XLA dense f32, ms | dense / kernel |"
+    if args.against:
+        head += f" {args.against.name}, ms | {args.against.name} / kernel | bitwise equal |"
     if args.int8_activations:
         head += " int8 activations, ms | kernel / int8 activations |"
     print(head)
@@ -90,6 +126,12 @@ def main(argv=None) -> int:
                 best[name] = min(best[name], time.perf_counter() - t0)
         row = (f"| {m} | {best['kernel'] * 1e3:.1f} | {best['xla'] * 1e3:.1f} | "
                f"{best['xla'] / best['kernel']:.2f}x |")
+        if args.against:
+            w = quantized[0][2]  # one layer's gate/up matrix, [576, 3072]
+            same = bool(jnp.array_equal(jax.jit(against)(x, w), jax.jit(
+                lambda x, w: cpu_quant.quant_matmul(x, *w, bits=4, group_size=32))(x, w)))
+            row += (f" {best['against'] * 1e3:.1f} | {best['against'] / best['kernel']:.2f}x |"
+                    f" {same} |")
         if args.int8_activations:
             row += f" {best['q8'] * 1e3:.1f} | {best['kernel'] / best['q8']:.2f}x |"
         print(row, flush=True)
