@@ -1,13 +1,14 @@
 """The model's weights in one block of host memory on 2 MiB pages (the CPU backend, Linux).
 
 A decode step reads every weight once. XLA:CPU allocates each array by itself on 4 KiB pages, so
-a single-row SmolLM2 step walks ~90 MB of codes and scales through ~22,000 pages, and the CPU
-kernels' strided reads (one row of codes per page for the wide matrices) miss the TLB on many of
-them. Linux backs a mapping with transparent huge pages where it is asked to (`madvise`, the
+a single-row SmolLM2 step walks 92 MiB of codes and scales through ~23,600 pages, and the CPU
+kernels' strided reads (a new page every row of codes or so in the wide matrices) need an address
+translation for each. Linux backs a mapping with transparent huge pages where it is asked to (`madvise`, the
 default setting of most distributions, or `always`): copying every weight into one anonymous
 mapping advised MADV_HUGEPAGE and handing XLA zero-copy views of it (DLPack) puts the weights on
-2 MiB pages, 45 of them for SmolLM2. The arithmetic is untouched (the same bytes, the same
-kernels); a single-stream step gets a few percent faster (docs/performance.md, item 11).
+2 MiB pages, 47 of them for SmolLM2. The arithmetic is untouched (the same bytes, the same
+kernels); a single stream decodes ~7% faster, 16-64 rows about as fast (docs/performance.md,
+item 12).
 
 Where it cannot apply (another OS, transparent huge pages off, a view XLA would copy) the arrays
 are left as they were. While the copy is made both exist, so a model briefly takes twice its
