@@ -17,7 +17,6 @@ machine hits both alike. GB/s counts the K and V bytes the call reads.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 import time
@@ -33,19 +32,6 @@ from cpu_kernels import build  # noqa: E402
 
 LAYERS, HQ, HKV, D, PS = 30, 9, 3, 64, 16
 SYMBOL = "JaxinferRaggedPagedAttention"
-
-
-def target_from(source: Path, tag: str) -> str:
-    """Compile `source` (a version of ragged_paged_attention.cc) and register it as a target."""
-    compiler = build._compiler()
-    key = build._binary_key(source.read_bytes(), compiler)
-    lib_path = build.cache_dir() / f"ragged_paged_attention-{tag}-{key}.so"
-    if not lib_path.is_file():
-        build._compile(source, lib_path, compiler)
-    lib = ctypes.cdll.LoadLibrary(str(lib_path))
-    name = f"ragged_paged_attention_{tag}.{SYMBOL}"
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
-    return name
 
 
 def layers_fn(target: str):
@@ -87,7 +73,8 @@ def main(argv=None) -> int:
         return 1
     kernels = {"this": layers_fn(f"ragged_paged_attention.{SYMBOL}")}
     if args.against:
-        kernels["against"] = layers_fn(target_from(args.against, "against"))
+        kernels["against"] = layers_fn(
+            build.load_variant(args.against, "ragged_paged_attention", SYMBOL, "against"))
     rng = np.random.default_rng(0)
     print(f"30 layers of decode attention, one jitted call ({os.cpu_count()} cores; best of "
           f"{args.rounds} rounds, interleaved)")

@@ -19,7 +19,6 @@ a check that its product of one layer's matrix equals this version's bit for bit
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import sys
 import time
@@ -43,19 +42,6 @@ def codes(rng, k: int, n: int):
     return (jnp.asarray(rng.integers(0, 256, (k // 2, n), dtype=np.uint8)),
             jnp.asarray((rng.random((k // 32, n)) * 0.01).astype(np.float16)),
             jnp.asarray((rng.random((k // 32, n)) * -0.005).astype(np.float16)))
-
-
-def target_from(source: Path) -> str:
-    """Compile `source` (a version of quant_matmul.cc) and register its float kernel."""
-    compiler = build._compiler()
-    key = build._binary_key(source.read_bytes(), compiler)
-    lib_path = build.cache_dir() / f"quant_matmul-against-{key}.so"
-    if not lib_path.is_file():
-        build._compile(source, lib_path, compiler)
-    lib = ctypes.cdll.LoadLibrary(str(lib_path))
-    name = "quant_matmul_against.JaxinferQuantMatmul"
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.JaxinferQuantMatmul), platform="cpu")
-    return name
 
 
 def int4_matmul(target: str):
@@ -100,7 +86,8 @@ def main(argv=None) -> int:
                        quantized),
             "xla": (layers(jnp.dot), dense)}
     if args.against:
-        against = int4_matmul(target_from(args.against))
+        against = int4_matmul(
+            build.load_variant(args.against, "quant_matmul", "JaxinferQuantMatmul", "against"))
         runs["against"] = (layers(against), quantized)
     if args.int8_activations:
         runs["q8"] = (layers(lambda x, w: cpu_quant.quant_matmul(

@@ -106,3 +106,18 @@ def load(name: str, symbol: str) -> str | None:
         logger.warning("the CPU kernel %s is off (XLA path instead): %s", name, e)
         return None
     return target
+
+
+def load_variant(source: Path, name: str, symbol: str, tag: str) -> str:
+    """Another version of kernel `name`'s source (a benchmark's `--against`), compiled as `load`
+    compiles and registered as its own target, `name_tag.symbol`; raises where it cannot be."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found")
+    lib_path = cache_dir() / f"{name}-{tag}-{_binary_key(source.read_bytes(), compiler)}.so"
+    if not lib_path.is_file():
+        _compile(source, lib_path, compiler)
+    lib = ctypes.cdll.LoadLibrary(str(lib_path))
+    target = f"{name}_{tag}.{symbol}"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return target
