@@ -83,7 +83,8 @@ def run_single(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> dict:
     r = _result(eng, m0, tokens, seconds)
     # the decode phase alone: tokens after each request's first over the time after it (the
     # prefill and its first token cost the same with or without speculation)
-    r["decode_tok_s"] = sum(len(t) - 1 for t in tokens) / decode_seconds
+    r["decode_tok_s"] = (sum(len(t) - 1 for t in tokens) / decode_seconds if decode_seconds > 0
+                         else None)  # None: every answer was one token
     return r
 
 
@@ -101,7 +102,8 @@ def _result(eng, m0, tokens, seconds) -> dict:
     accepted = m.num_accepted_tokens_total - m0.num_accepted_tokens_total
     steps = m.num_spec_steps_total - m0.num_spec_steps_total
     num_out = sum(len(t) for t in tokens)
-    return dict(tok_s=num_out / seconds, decode_tok_s=None, seconds=seconds, num_out=num_out, tokens=tokens,
+    return dict(tok_s=num_out / seconds, decode_tok_s=None, seconds=seconds, num_out=num_out,
+                tokens=tokens,
                 acceptance=accepted / drafted if drafted else float("nan"),
                 mean_len=1 + accepted / steps if steps else float("nan"),
                 drafted=drafted, compiles=m.num_compilations - m0.num_compilations)

@@ -258,10 +258,10 @@ void Int4BlockAvx512(const Problem& p, int64_t m0, int64_t c0) {
 // codes as 16 dwords of 4 bytes; v >> 4 t' brings one nibble of every dword to its low 4 bits,
 // the only bits of an index vpermps reads, so a lookup in the floats 0 .. 15 turns each shifted
 // copy of the load into a vector of codes as floats (a shift and a lookup a vector, where a
-// mask and an int-to-float conversion took two more). The 8 copies hold the t-th byte of each dword
-// (columns 4 d + t, d = 0..15), low (row i) or high (row K/2 + i) nibble. The accumulators live
-// in that permuted column order; each group's scales and minimums are permuted to it once, and
-// the result is put back in column order at the end.
+// mask and an int-to-float conversion took two more). The 8 copies hold the t-th byte of each
+// dword (columns 4 d + t, d = 0..15), low (row i) or high (row K/2 + i) nibble. The
+// accumulators live in that permuted column order; each group's scales and minimums are
+// permuted to it once, and the result is put back in column order at the end.
 inline __m512 permuted_param(const __m512 s[4], int t) {
   // lanes d of the result: column 4 d + t of the 64 held in s[0..3] (16 columns each)
   const __m512i lo_idx = _mm512_set_epi32(28 + t, 24 + t, 20 + t, 16 + t, 12 + t, 8 + t, 4 + t, t,

@@ -2,18 +2,17 @@
 
 A decode step reads every weight once. XLA:CPU allocates each array by itself on 4 KiB pages, so
 a single-row SmolLM2 step walks 92 MiB of codes and scales through ~23,600 pages, and the CPU
-kernels' strided reads (a new page every row of codes or so in the wide matrices) need an address
-translation for each. Linux backs a mapping with transparent huge pages where it is asked to (`madvise`, the
-default setting of most distributions, or `always`): copying every weight into one anonymous
-mapping advised MADV_HUGEPAGE and handing XLA zero-copy views of it (DLPack) puts the weights on
-2 MiB pages, 47 of them for SmolLM2. The arithmetic is untouched (the same bytes, the same
-kernels); a single stream decodes ~7% faster, 16-64 rows about as fast (docs/performance.md,
-item 12).
+kernels' strided reads (a new page every row of codes or so in the wide matrices) need an
+address translation for each. Linux backs a mapping with transparent huge pages where it is
+asked to (`madvise`, the default setting of most distributions, or `always`): copying every
+weight into one anonymous mapping advised MADV_HUGEPAGE and handing XLA zero-copy views of it
+(DLPack) puts the weights on 2 MiB pages, 47 of them for SmolLM2. The arithmetic is untouched
+(the same bytes, the same kernels); a single stream decodes ~7% faster, 16-64 rows about as
+fast (docs/performance.md, item 12).
 
 Where it cannot apply (another OS, transparent huge pages off, a view XLA would copy) the arrays
 are left as they were. While the copy is made both exist, so a model briefly takes twice its
-weights' memory on the host.
-"""
+weights' memory on the host."""
 
 from __future__ import annotations
 
@@ -63,11 +62,10 @@ def rehome(tree):
         return tree
     if any(d.platform != "cpu" for i in arrays for d in leaves[i].devices()):
         return tree
-    hosts = [np.asarray(leaves[i]) for i in arrays]
     offsets, size = [], 0
-    for a in hosts:
+    for i in arrays:
         offsets.append(size)
-        size += -(-a.nbytes // ALIGN) * ALIGN
+        size += -(-leaves[i].nbytes // ALIGN) * ALIGN
     # whole huge pages, and one more so the arena can start on a huge-page boundary
     length = (-(-size // HUGE_PAGE) + 1) * HUGE_PAGE
     mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -78,9 +76,10 @@ def rehome(tree):
         logger.info("madvise(MADV_HUGEPAGE) failed: the weights stay where they are")
         return tree
     out, moved = list(leaves), 0
-    for i, a, off in zip(arrays, hosts, offsets):
-        if a.nbytes == 0:
+    for i, off in zip(arrays, offsets):
+        if leaves[i].nbytes == 0:
             continue
+        a = np.asarray(leaves[i])  # one array's host view at a time
         view = arena[off:off + a.nbytes].view(np.uint8)
         view[...] = a.reshape(-1).view(np.uint8)
         try:  # a dtype DLPack does not carry (bfloat16 from numpy) stays where it is
