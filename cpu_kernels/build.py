@@ -80,6 +80,21 @@ def _compile(source_path: Path, out: Path, compiler: str) -> None:
         os.replace(tmp_out, out)  # atomic: a concurrent loader sees the whole file or none
 
 
+def _build_and_register(source_path: Path, lib_stem: str, target: str, symbol: str,
+                        compiler: str) -> str:
+    """Compiles `source_path` into the cache (unless there) and registers handler `symbol` as
+    `target`; raises OSError / RuntimeError / AttributeError where it cannot."""
+    source = source_path.read_bytes() + b"".join(  # the shared headers shape the binary too
+        h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))
+    lib_path = cache_dir() / f"{lib_stem}-{_binary_key(source, compiler)}.so"
+    if not lib_path.is_file():
+        logger.info("compiling the CPU kernel %s -> %s", source_path.name, lib_path)
+        _compile(source_path, lib_path, compiler)
+    lib = ctypes.cdll.LoadLibrary(str(lib_path))
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return target
+
+
 @functools.cache
 def load(name: str, symbol: str) -> str | None:
     """The FFI target name of kernel `name` (`name`.cc, handler `symbol`), registered for the
@@ -90,22 +105,12 @@ def load(name: str, symbol: str) -> str | None:
     if compiler is None:
         logger.warning("no C++ compiler found: the CPU kernel %s is off (XLA path instead)", name)
         return None
-    source_path = SOURCE_DIR / f"{name}.cc"
-    source = source_path.read_bytes() + b"".join(  # the shared headers shape the binary too
-        h.read_bytes() for h in sorted(SOURCE_DIR.glob("*.h")))
-    lib_path = cache_dir() / f"{name}-{_binary_key(source, compiler)}.so"
     try:
-        if not lib_path.is_file():
-            logger.info("compiling the CPU kernel %s -> %s", name, lib_path)
-            _compile(source_path, lib_path, compiler)
-        lib = ctypes.cdll.LoadLibrary(str(lib_path))
-        target = f"{name}.{symbol}"
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
-                                    platform="cpu")
+        return _build_and_register(SOURCE_DIR / f"{name}.cc", name, f"{name}.{symbol}", symbol,
+                                   compiler)
     except (OSError, RuntimeError, AttributeError) as e:
         logger.warning("the CPU kernel %s is off (XLA path instead): %s", name, e)
         return None
-    return target
 
 
 def load_variant(source: Path, name: str, symbol: str, tag: str) -> str:
@@ -114,10 +119,5 @@ def load_variant(source: Path, name: str, symbol: str, tag: str) -> str:
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found")
-    lib_path = cache_dir() / f"{name}-{tag}-{_binary_key(source.read_bytes(), compiler)}.so"
-    if not lib_path.is_file():
-        _compile(source, lib_path, compiler)
-    lib = ctypes.cdll.LoadLibrary(str(lib_path))
-    target = f"{name}_{tag}.{symbol}"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    return target
+    return _build_and_register(source, f"{name}-{tag}", f"{name}_{tag}.{symbol}", symbol,
+                               compiler)

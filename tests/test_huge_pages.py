@@ -42,12 +42,6 @@ def _mapping(address: int) -> tuple[int, int, int]:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def _at(tree, path):
-    for key in path:
-        tree = tree[key.key if hasattr(key, "key") else key.idx]
-    return tree
-
-
 @needs_thp
 def test_rehome_keeps_values_and_puts_them_on_huge_pages():
     tree = _tree()
@@ -61,9 +55,8 @@ def test_rehome_keeps_values_and_puts_them_on_huge_pages():
             assert a == b
     start, end, huge_kb = _mapping(moved["codes"].unsafe_buffer_pointer())
     assert huge_kb >= 2048  # at least one 2 MiB page under the 3 MiB of codes
-    for path, a in jax.tree_util.tree_leaves_with_path(tree):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(tree), jax.tree.leaves(moved)):
         if isinstance(a, jax.Array) and a.size and a.dtype != jnp.bfloat16:
-            b = _at(moved, path)
             p = b.unsafe_buffer_pointer()
             assert p != a.unsafe_buffer_pointer(), f"{path} was not moved"
             assert start <= p and p + b.nbytes <= end, f"{path} is not in the one mapping"

@@ -60,7 +60,8 @@ def rehome(tree):
     arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     if not arrays or not transparent_huge_pages():
         return tree
-    if any(d.platform != "cpu" for i in arrays for d in leaves[i].devices()):
+    placements = [leaves[i].devices() for i in arrays]  # a view is one CPU device's array
+    if any(len(d) != 1 or next(iter(d)).platform != "cpu" for d in placements):
         return tree
     offsets, size = [], 0
     for i in arrays:

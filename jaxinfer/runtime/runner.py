@@ -53,8 +53,8 @@ class ModelRunner:
         if ops.unrolled_layers_faster():
             model.unroll_layers()
         graphdef, self.state = nnx.split(model)
-        if mesh is None and jax.default_backend() == "cpu":
-            self.state = huge_pages.rehome(self.state)  # fewer TLB misses reading the weights
+        if mesh is None:  # CPU arrays only (rehome checks): fewer address translations
+            self.state = huge_pages.rehome(self.state)
             nnx.update(model, self.state)  # the module's references move too: the old arrays go
         self.draft = draft
         self._step = (make_jitted_step(graphdef) if draft is None
