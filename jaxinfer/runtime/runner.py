@@ -23,7 +23,8 @@ from jaxinfer.runtime.executable_cache import ExecutableCache
 from jaxinfer.runtime.mesh import available_ram, tp_size
 from jaxinfer.runtime.sampler import NO_LOGPROBS, TOKEN_LOGPROBS, TOP_LOGPROBS
 from jaxinfer.runtime.sharding import allocate_sharded_kv_cache, shard_model
-from jaxinfer.runtime.step import StepFlags, make_jitted_draft_step, make_jitted_step
+from jaxinfer.runtime.step import (StepFlags, flat_state, make_jitted_draft_step, make_jitted_step,
+                                   unpack_output)
 from jaxinfer.sched.output import RunnerOutput
 from jaxinfer.sched.step_input import StepInput
 
@@ -52,13 +53,19 @@ class ModelRunner:
             shard_model(model, model_config, mesh)
         if ops.unrolled_layers_faster():
             model.unroll_layers()
-        graphdef, self.state = nnx.split(model)
+        graphdef, state = nnx.split(model)
         if mesh is None:  # CPU arrays only (rehome checks): fewer address translations
-            self.state = huge_pages.rehome(self.state)
-            nnx.update(model, self.state)  # the module's references move too: the old arrays go
+            state = huge_pages.rehome(state)
+            nnx.update(model, state)  # the module's references move too: the old arrays go
+        self._state_leaves, self._treedef = flat_state(state)
+        self._state = state
         self.draft = draft
-        self._step = (make_jitted_step(graphdef) if draft is None
-                      else make_jitted_draft_step(graphdef, draft.graphdef))
+        if draft is None:
+            self._step = make_jitted_step(graphdef, self._treedef)
+        else:
+            self._draft_leaves, draft_treedef = flat_state(draft.state)
+            self._step = make_jitted_draft_step(graphdef, self._treedef, draft.graphdef,
+                                                draft_treedef)
         kv_dtype = engine_config.kv_cache_dtype or engine_config.dtype
         head_major = ops.head_major_cache(self.attention_backend)
         if head_major and engine_config.page_size > MAX_CPU_PAGE_SIZE:
@@ -83,6 +90,18 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self.maps_per_executable = 0.0  # memory mappings one step executable took (measured)
 
+    @property
+    def state(self) -> nnx.State:
+        """The target's weights (the step takes them as `flat_state`'s leaves)."""
+        return self._state
+
+    @state.setter
+    def state(self, state: nnx.State) -> None:
+        leaves, treedef = flat_state(state)
+        if treedef != self._treedef:
+            raise ValueError("the new state must have the structure of the runner's state")
+        self._state, self._state_leaves = state, leaves
+
     # -- one step ---------------------------------------------------------------------------
     def execute(self, step_input: StepInput) -> RunnerOutput:
         """Runs one step on a host StepInput (numpy, padded); returns the sampled rows."""
@@ -92,13 +111,14 @@ class ModelRunner:
         is_new = signature not in self._seen_signatures
         t0 = time.perf_counter()
         level = logprob_level(step_input)
-        args = self._step_args(jax.device_put(buf), level)
+        args = self._step_args(buf, level)  # numpy: the call copies it in (no separate put)
         compiled = self._executables.get(signature)
         if compiled is None and is_new:  # compiled now, by jit
             memory_maps.check_room(1, self.maps_per_executable)
         result = compiled(*args) if compiled is not None else self._step(*args, layout, flags)
         out, draft_ids = self._keep_caches(result)
-        host, draft_ids = jax.device_get((out, draft_ids))  # the one device->host transfer
+        packed, draft_ids = jax.device_get((out, draft_ids))  # one array (two with a draft model)
+        host = unpack_output(packed)
         if is_new:
             self._seen_signatures.add(signature)
             self.num_compilations += 1
@@ -107,19 +127,20 @@ class ModelRunner:
             logger.info("compiled a step for (T, S, P)=%s %s in %.1f s", step_input.shape, flags, dt)
         n, want = step_input.num_rows, int(level) >= TOP_LOGPROBS
         return RunnerOutput(
-            token_ids=np.asarray(host.token_ids[:n]),
-            logprobs=np.asarray(host.logprobs[:n]),
-            top_token_ids=np.asarray(host.top_token_ids[:n]) if want else None,
-            top_logprobs=np.asarray(host.top_logprobs[:n]) if want else None,
+            token_ids=np.ascontiguousarray(host.token_ids[:n]),
+            logprobs=np.ascontiguousarray(host.logprobs[:n]),
+            top_token_ids=np.ascontiguousarray(host.top_token_ids[:n]) if want else None,
+            top_logprobs=np.ascontiguousarray(host.top_logprobs[:n]) if want else None,
             draft_token_ids=None if draft_ids is None else np.asarray(draft_ids),
         )
 
     def _step_args(self, buf: jax.Array, level: np.int32) -> tuple:
         """The step's arguments besides the static ones (the KV caches are donated)."""
         if self.draft is None:
-            return self.state, self.kv_cache, buf, level
+            return self._state_leaves, self.kv_cache, buf, level
         d = self.draft
-        return self.state, self.kv_cache, d.state, d.kv_cache, d.q_store, buf, level
+        return (self._state_leaves, self.kv_cache, self._draft_leaves, d.kv_cache, d.q_store, buf,
+                level)
 
     def _keep_caches(self, result) -> tuple:
         """Takes the updated caches out of a step's result -> (SamplerOutput, drafts | None)."""

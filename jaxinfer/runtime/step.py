@@ -4,7 +4,9 @@ Inputs arrive as one packed int32 buffer (one host->device copy per step; its fo
 sched/step_buffer.py's, built by sched/step_input.py). The step unpacks it once, into `StepParts`,
 and everything after reads those. The buffer's layout and `StepFlags` are static, so each
 combination of shape bucket and flags is one executable. The KV caches are donated: updated in
-place, never copied.
+place, never copied. The weights come as a flat tuple of arrays and the sample leaves as one
+array (`flat_state`, `pack_output`): on a small CPU a call's per-argument and per-output
+bookkeeping is a measurable part of a one-row step.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -130,20 +133,60 @@ def draft_step_fn(graphdef, draft_graphdef, state, kv_cache, draft_state, draft_
     return (out, draft_ids), kv_cache, draft_kv, q_store
 
 
-def make_jitted_step(graphdef: nnx.GraphDef):
-    """jit with the KV cache donated (argument 1): it is updated in place, never copied."""
+# The weights enter a step as the flat tuple of the state's leaves (`flat_state`), rebuilt into
+# the nnx.State by the treedef at trace time: a call flattens its arguments, and flattening an
+# nnx.State of a few hundred arrays node by node in Python cost ~2.5 ms of a one-row step's
+# ~10 ms on a 2-core CPU (docs/performance.md); a tuple of arrays costs microseconds.
 
-    def fn(state, kv_cache, buf, logprob_level, layout, flags):
-        return step_fn(graphdef, state, kv_cache, buf, logprob_level, layout, flags)
+
+def flat_state(state: nnx.State) -> tuple[tuple[jax.Array, ...], jax.tree_util.PyTreeDef]:
+    """(the state's leaves, its treedef): what the jitted steps take for a state."""
+    leaves, treedef = jax.tree.flatten(state)
+    return tuple(leaves), treedef
+
+
+def pack_output(out: SamplerOutput) -> jax.Array:
+    """SamplerOutput -> i32[R, 2 + 2K]: each row's token id, its logprob, its K top token ids and
+    their logprobs, the floats as their bits. The host fetches this one array a step: each array
+    fetched waits for the device on its own (~0.1 ms apiece on a 2-core CPU)."""
+    def bits(x):
+        return jax.lax.bitcast_convert_type(x, jnp.int32)
+
+    return jnp.concatenate([out.token_ids[:, None], bits(out.logprobs)[:, None],
+                            out.top_token_ids, bits(out.top_logprobs)], axis=1)
+
+
+def unpack_output(packed: np.ndarray) -> SamplerOutput:
+    """`pack_output`'s array, fetched to the host -> a SamplerOutput of numpy views of it."""
+    k = (packed.shape[1] - 2) // 2
+    floats = packed.view(np.float32)
+    return SamplerOutput(packed[:, 0], floats[:, 1], packed[:, 2:2 + k], floats[:, 2 + k:])
+
+
+def make_jitted_step(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef):
+    """jit with the KV cache donated (argument 1): it is updated in place, never copied. The
+    state comes as its leaves (`flat_state`), in `treedef`'s order; the sample as
+    `pack_output`'s one array."""
+
+    def fn(leaves, kv_cache, buf, logprob_level, layout, flags):
+        state = jax.tree.unflatten(treedef, leaves)
+        out, kv_cache = step_fn(graphdef, state, kv_cache, buf, logprob_level, layout, flags)
+        return pack_output(out), kv_cache
 
     return jax.jit(fn, donate_argnums=(1,), static_argnums=(4, 5))
 
 
-def make_jitted_draft_step(graphdef: nnx.GraphDef, draft_graphdef: nnx.GraphDef):
-    """jit of `draft_step_fn` with both KV caches and the draft-probability store donated."""
+def make_jitted_draft_step(graphdef: nnx.GraphDef, treedef: jax.tree_util.PyTreeDef,
+                           draft_graphdef: nnx.GraphDef, draft_treedef: jax.tree_util.PyTreeDef):
+    """jit of `draft_step_fn` with both KV caches and the draft-probability store donated; both
+    states as their leaves, the sample as `pack_output`'s array."""
 
-    def fn(state, kv_cache, draft_state, draft_kv, q_store, buf, logprob_level, layout, flags):
-        return draft_step_fn(graphdef, draft_graphdef, state, kv_cache, draft_state, draft_kv,
-                             q_store, buf, logprob_level, layout, flags)
+    def fn(leaves, kv_cache, draft_leaves, draft_kv, q_store, buf, logprob_level, layout, flags):
+        state = jax.tree.unflatten(treedef, leaves)
+        draft_state = jax.tree.unflatten(draft_treedef, draft_leaves)
+        (out, draft_ids), kv_cache, draft_kv, q_store = draft_step_fn(
+            graphdef, draft_graphdef, state, kv_cache, draft_state, draft_kv, q_store, buf,
+            logprob_level, layout, flags)
+        return (pack_output(out), draft_ids), kv_cache, draft_kv, q_store
 
     return jax.jit(fn, donate_argnums=(1, 3, 4), static_argnums=(7, 8))
