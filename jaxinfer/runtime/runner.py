@@ -57,6 +57,7 @@ class ModelRunner:
         if mesh is None:  # CPU arrays only (rehome checks): fewer address translations
             state = huge_pages.rehome(state)
             nnx.update(model, state)  # the module's references move too: the old arrays go
+        self.graphdef = graphdef
         self._state_leaves, self._treedef = flat_state(state)
         self._state = state
         self.draft = draft
