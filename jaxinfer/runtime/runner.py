@@ -135,7 +135,7 @@ class ModelRunner:
             draft_token_ids=None if draft_ids is None else np.asarray(draft_ids),
         )
 
-    def _step_args(self, buf: jax.Array, level: np.int32) -> tuple:
+    def _step_args(self, buf: np.ndarray | jax.Array, level: np.int32) -> tuple:
         """The step's arguments besides the static ones (the KV caches are donated)."""
         if self.draft is None:
             return self._state_leaves, self.kv_cache, buf, level

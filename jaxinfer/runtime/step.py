@@ -135,8 +135,8 @@ def draft_step_fn(graphdef, draft_graphdef, state, kv_cache, draft_state, draft_
 
 # The weights enter a step as the flat tuple of the state's leaves (`flat_state`), rebuilt into
 # the nnx.State by the treedef at trace time: a call flattens its arguments, and flattening an
-# nnx.State of a few hundred arrays node by node in Python cost ~2.5 ms of a one-row step's
-# ~10 ms on a 2-core CPU (docs/performance.md); a tuple of arrays costs microseconds.
+# nnx.State of a few hundred arrays node by node in Python is a measurable part of a one-row
+# step on a small CPU (docs/performance.md, item 13); a tuple of arrays costs microseconds.
 
 
 def flat_state(state: nnx.State) -> tuple[tuple[jax.Array, ...], jax.tree_util.PyTreeDef]:
@@ -148,7 +148,7 @@ def flat_state(state: nnx.State) -> tuple[tuple[jax.Array, ...], jax.tree_util.P
 def pack_output(out: SamplerOutput) -> jax.Array:
     """SamplerOutput -> i32[R, 2 + 2K]: each row's token id, its logprob, its K top token ids and
     their logprobs, the floats as their bits. The host fetches this one array a step: each array
-    fetched waits for the device on its own (~0.1 ms apiece on a 2-core CPU)."""
+    fetched waits for the device on its own."""
     def bits(x):
         return jax.lax.bitcast_convert_type(x, jnp.int32)
 
