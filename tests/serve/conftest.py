@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import random
 import socket
 import time
 
@@ -62,7 +64,22 @@ def sse_events(text: str) -> list:
     return events
 
 
+# Ports for test servers: below Linux's ephemeral range (32768-60999 by default), where the kernel
+# picks the ports of bind(("", 0)) and of outgoing connections, and a range of 1000 for each
+# pytest-xdist worker, so a port handed to one worker's server cannot be handed to the other's
+# (or taken by a client's connection) while that server is still starting.
+PORTS_BASE, PORTS_PER_WORKER = 20000, 1000
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 nothing listens on now, from this test process's own range."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    first = PORTS_BASE + PORTS_PER_WORKER * (int(worker) % 12 if worker.isdigit() else 0)
+    for port in random.sample(range(first, first + PORTS_PER_WORKER), PORTS_PER_WORKER):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {first}-{first + PORTS_PER_WORKER - 1}")
