@@ -45,7 +45,7 @@ def decode_step_input(llm: LLM, batch: int):
         llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
                      use_tqdm=False)
     finally:
-        runner.execute = execute
+        del runner.execute  # back to the method
     return [si for si in seen if si.num_rows == batch][-1]
 
 
