@@ -87,7 +87,7 @@ class _Stream:
 
 
 _ADD, _ABORT, _FINISH, _CALL = "add", "abort", "finish", "call"
-_METRICS_PERIOD_S = 0.05  # engine.metrics is read at most this often while steps run
+_METRICS_PERIOD_S = 0.05  # while steps run, engine.metrics is read this often (and when one finishes)
 
 
 class AsyncEngine:
@@ -343,14 +343,18 @@ class AsyncEngine:
                 self._on_step_error(e, in_flight)
                 continue
             self.num_consecutive_step_errors = 0
+            any_finished = False
             for out in outputs:
                 if out.finished:
                     in_flight.discard(out.request_id)
-            self._post(outputs)
+                    any_finished = True
             now = time.monotonic()
-            if now - last_snapshot >= _METRICS_PERIOD_S or not in_flight:
+            if any_finished or now - last_snapshot >= _METRICS_PERIOD_S:
+                # before the outputs go out: a client that has its finished response and then
+                # reads /metrics sees its request counted
                 self._snapshot_metrics()
                 last_snapshot = now
+            self._post(outputs)
         self._snapshot_metrics()
 
     def _process_commands(self, in_flight: set[str]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -44,6 +45,29 @@ async def test_generate_streams_cumulative_outputs_until_finished():
     assert texts[-1] == _expected_greedy([10, 11, 12], 5)
     assert outs[-1].outputs[0].finish_reason == "length"
     assert ae.num_in_flight == 0 and ae.num_waiting == 0
+    await ae.shutdown(TIMEOUT)
+
+
+class _SlowMetricsEngine(FakeEngine):
+    """engine.metrics takes a while: a snapshot taken after the outputs went out would lose the
+    race against a caller that reads it right after its last output."""
+
+    @property
+    def metrics(self):
+        time.sleep(0.1)
+        return super().metrics
+
+
+async def test_a_finished_request_is_in_the_metrics_when_its_last_output_arrives():
+    ae = AsyncEngine(_SlowMetricsEngine())
+    await ae.wait_ready(TIMEOUT)
+    for i in range(3):
+        outs = await asyncio.wait_for(
+            _collect(ae, [10, 11], SamplingParams(max_tokens=3, temperature=0.0), f"m{i}"), TIMEOUT)
+        assert outs[-1].finished
+        snap = ae.metrics_snapshot  # read at once, as GET /metrics after the response would
+        assert snap.num_finished_total == i + 1
+        assert snap.num_running == 0 and snap.num_waiting == 0 and snap.num_used_pages == 0
     await ae.shutdown(TIMEOUT)
 
 
