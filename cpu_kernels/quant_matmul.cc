@@ -12,8 +12,10 @@
 //   y[m, n] = sum_g scale[g, n] * sum_{k in g} x[m, k] q[k, n]  (+ min[g, n] * sum_{k in g} x[m, k])
 // Work items are blocks of output columns, spread over XLA's intra-op thread pool; each item
 // takes the rows of x kRows at a time, so a block of the weight is streamed from memory once
-// and reused from cache for the other row blocks. It is meant for the few rows of a decode step
-// (a memory-bound product); many rows are faster through a dense matmul.
+// and reused from cache for the other row blocks. One row of x against int4 codes is cut by
+// code rows instead (Int4Row): each item walks one region of the codes forward and sums into
+// its own partial row. It is meant for the few rows of a decode step (a memory-bound product);
+// many rows are faster through a dense matmul.
 
 #include <algorithm>
 #include <cstdint>
@@ -261,7 +263,7 @@ void Int4BlockAvx512(const Problem& p, int64_t m0, int64_t c0) {
 // mask and an int-to-float conversion took two more). The 8 copies hold the t-th byte of each
 // dword (columns 4 d + t, d = 0..15), low (row i) or high (row K/2 + i) nibble. The
 // accumulators live in that permuted column order; each group's scales and minimums are
-// permuted to it once, and the result is put back in column order at the end.
+// permuted to it once, and the result is put back in column order at the end (Int4Row).
 inline __m512 permuted_param(const __m512 s[4], int t) {
   // lanes d of the result: column 4 d + t of the 64 held in s[0..3] (16 columns each)
   const __m512i lo_idx = _mm512_set_epi32(28 + t, 24 + t, 20 + t, 16 + t, 12 + t, 8 + t, 4 + t, t,
@@ -271,76 +273,150 @@ inline __m512 permuted_param(const __m512 s[4], int t) {
   return _mm512_mask_blend_ps(0xFF00, a, b);
 }
 
-template <int C>  // C chunks of 64 columns side by side: C * 32 contiguous bytes of each row
-void Int4RowShifted(const Problem& p, int64_t m, int64_t c0) {
+// Where a one-row int4 product's prefetches go next: the bytes of the code rows and columns
+// that the work item reads, in memory order, a fixed number of rows ahead of its reads.
+struct PrefetchStream {
+  const uint8_t* codes;
+  int64_t n, c0, c1;  // the row stride and the item's columns
+  int64_t row, end_row, col;
+
+  void Next() {
+    if (row >= end_row) return;
+    _mm_prefetch(reinterpret_cast<const char*>(codes + row * n + col), _MM_HINT_T0);
+    col += kWideCols;
+    if (col >= c1) {
+      col = c0;
+      ++row;
+    }
+  }
+};
+
+// Code rows [a, b) of half-group g (one group's low nibbles, rows of K, and group g + K/2/gs's
+// high nibbles), columns [c0, c0 + 64 C) of one row of x, added into `part` in the permuted
+// column order below (partial sums: the item's other segments and the other items' are added
+// to the same columns).
+template <int C>
+void Int4RowSegment(const Problem& p, int64_t c0, int64_t a, int64_t b, int64_t g, float* part,
+                    PrefetchStream& ahead) {
   const uint8_t* q = static_cast<const uint8_t*>(p.values);
-  const int64_t gs = p.group_size, kh = p.k / 2, half_groups = kh / gs;
+  const int64_t kh = p.k / 2, half_groups = kh / p.group_size;
   const bool asym = p.mins != nullptr;
   const __m512 nibbles = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const float* x = p.x + m * p.k;
-  __m512 out[C][4];  // out[c][t] lane d: column c0 + 64 c + 4 d + t
+  __m512 acc_lo[C][4], acc_hi[C][4];  // acc[c][t] lane d: column c0 + 64 c + 4 d + t
   for (int c = 0; c < C; ++c)
-    for (int t = 0; t < 4; ++t) out[c][t] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < half_groups; ++g) {
-    __m512 acc_lo[C][4], acc_hi[C][4];
-    for (int c = 0; c < C; ++c)
-      for (int t = 0; t < 4; ++t) acc_lo[c][t] = acc_hi[c][t] = _mm512_setzero_ps();
-    float sum_lo = 0.0f, sum_hi = 0.0f;
-    for (int64_t i = g * gs; i < (g + 1) * gs; ++i) {
-      const uint8_t* row = q + i * p.n + c0;
-      if (i + kPrefetchRows < kh) {
-        for (int c = 0; c < C; ++c)
-          _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.n + 64 * c), _MM_HINT_T0);
-      }
-      const float xl = x[i], xh = x[kh + i];
-      sum_lo += xl;
-      sum_hi += xh;
-      const __m512 vl = _mm512_set1_ps(xl), vh = _mm512_set1_ps(xh);
-      for (int c = 0; c < C; ++c) {
-        const __m512i v = _mm512_loadu_si512(row + 64 * c);
-        for (int t = 0; t < 4; ++t) {
-          // vpermps reads the low 4 bits of each lane: the nibble, looked up as its float value
-          const __m512 l = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * t), nibbles);
-          const __m512 u = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * t + 4), nibbles);
-          acc_lo[c][t] = _mm512_fmadd_ps(vl, l, acc_lo[c][t]);
-          acc_hi[c][t] = _mm512_fmadd_ps(vh, u, acc_hi[c][t]);
-        }
-      }
-    }
-    const int64_t g_hi = g + half_groups;
-    const __m512 bl = _mm512_set1_ps(sum_lo), bh = _mm512_set1_ps(sum_hi);
+    for (int t = 0; t < 4; ++t) acc_lo[c][t] = acc_hi[c][t] = _mm512_setzero_ps();
+  float sum_lo = 0.0f, sum_hi = 0.0f;
+  for (int64_t i = a; i < b; ++i) {
+    const uint8_t* row = q + i * p.n + c0;
+    for (int c = 0; c < C; ++c) ahead.Next();
+    const float xl = p.x[i], xh = p.x[kh + i];
+    sum_lo += xl;
+    sum_hi += xh;
+    const __m512 vl = _mm512_set1_ps(xl), vh = _mm512_set1_ps(xh);
     for (int c = 0; c < C; ++c) {
-      __m512 s_lo[4], s_hi[4], o_lo[4], o_hi[4];
-      for (int j = 0; j < 4; ++j) {
-        const int64_t col = c0 + 64 * c + 16 * j;
-        s_lo[j] = load_param16(p.scales, g * p.n + col, p.f16_params);
-        s_hi[j] = load_param16(p.scales, g_hi * p.n + col, p.f16_params);
-        // asymmetric: w = q s + min; symmetric: w = (q - 8) s = q s - 8 s
-        o_lo[j] = asym ? load_param16(p.mins, g * p.n + col, p.f16_params)
-                       : _mm512_mul_ps(s_lo[j], _mm512_set1_ps(-8.0f));
-        o_hi[j] = asym ? load_param16(p.mins, g_hi * p.n + col, p.f16_params)
-                       : _mm512_mul_ps(s_hi[j], _mm512_set1_ps(-8.0f));
-      }
+      const __m512i v = _mm512_loadu_si512(row + 64 * c);
       for (int t = 0; t < 4; ++t) {
-        __m512 o = _mm512_fmadd_ps(acc_lo[c][t], permuted_param(s_lo, t), out[c][t]);
-        o = _mm512_fmadd_ps(bl, permuted_param(o_lo, t), o);
-        o = _mm512_fmadd_ps(acc_hi[c][t], permuted_param(s_hi, t), o);
-        out[c][t] = _mm512_fmadd_ps(bh, permuted_param(o_hi, t), o);
+        // vpermps reads the low 4 bits of each lane: the nibble, looked up as its float value
+        const __m512 l = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * t), nibbles);
+        const __m512 u = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * t + 4), nibbles);
+        acc_lo[c][t] = _mm512_fmadd_ps(vl, l, acc_lo[c][t]);
+        acc_hi[c][t] = _mm512_fmadd_ps(vh, u, acc_hi[c][t]);
       }
     }
   }
-  // Back to column order: y[16 j + e] = out[e % 4][4 j + e / 4] within each chunk.
+  const int64_t g_hi = g + half_groups;
+  const __m512 bl = _mm512_set1_ps(sum_lo), bh = _mm512_set1_ps(sum_hi);
+  for (int c = 0; c < C; ++c) {
+    __m512 s_lo[4], s_hi[4], o_lo[4], o_hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const int64_t col = c0 + 64 * c + 16 * j;
+      s_lo[j] = load_param16(p.scales, g * p.n + col, p.f16_params);
+      s_hi[j] = load_param16(p.scales, g_hi * p.n + col, p.f16_params);
+      // asymmetric: w = q s + min; symmetric: w = (q - 8) s = q s - 8 s
+      o_lo[j] = asym ? load_param16(p.mins, g * p.n + col, p.f16_params)
+                     : _mm512_mul_ps(s_lo[j], _mm512_set1_ps(-8.0f));
+      o_hi[j] = asym ? load_param16(p.mins, g_hi * p.n + col, p.f16_params)
+                     : _mm512_mul_ps(s_hi[j], _mm512_set1_ps(-8.0f));
+    }
+    for (int t = 0; t < 4; ++t) {
+      float* dst = part + c0 + 64 * c + 16 * t;
+      __m512 o = _mm512_fmadd_ps(acc_lo[c][t], permuted_param(s_lo, t), _mm512_loadu_ps(dst));
+      o = _mm512_fmadd_ps(bl, permuted_param(o_lo, t), o);
+      o = _mm512_fmadd_ps(acc_hi[c][t], permuted_param(s_hi, t), o);
+      _mm512_storeu_ps(dst, _mm512_fmadd_ps(bh, permuted_param(o_hi, t), o));
+    }
+  }
+}
+
+// How a one-row int4 product is cut into work items: `parts` ranges of the code rows (each
+// item's reads are then one region of memory walked forward, which the prefetches can follow
+// and the memory serves faster than many short strided pieces) times `col_blocks` ranges of
+// the columns (where there are more threads than row ranges worth having).
+struct RowSplit {
+  int64_t parts, col_blocks, block_cols;
+};
+
+constexpr int64_t kMinPartRows = 64;  // code rows per row range at least (two groups of 32)
+constexpr int64_t kAheadRows = 24;    // how far ahead of its reads an item prefetches, in rows
+
+RowSplit SplitOneRow(const Problem& p, int64_t threads) {
+  const int64_t kh = p.k / 2, chunks = p.n / kWideCols;
+  RowSplit s;
+  s.parts = std::max<int64_t>(1, std::min(threads, kh / kMinPartRows));
+  s.col_blocks = std::min(chunks, (threads + s.parts - 1) / s.parts);
+  s.block_cols = (chunks + s.col_blocks - 1) / s.col_blocks * kWideCols;
+  s.col_blocks = (p.n + s.block_cols - 1) / s.block_cols;
+  return s;
+}
+
+// Code rows [r0, r1), columns [c0, c1) of one row of x, added into `part` (permuted order).
+void Int4RowRange(const Problem& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float* part) {
+  PrefetchStream ahead{static_cast<const uint8_t*>(p.values), p.n, c0, c1,
+                       std::min(r1, r0 + kAheadRows), r1, c0};
+  for (int64_t a = r0; a < r1;) {
+    const int64_t g = a / p.group_size, b = std::min(r1, (g + 1) * p.group_size);
+    int64_t c = c0;
+    for (; c + 4 * kWideCols <= c1; c += 4 * kWideCols) Int4RowSegment<4>(p, c, a, b, g, part, ahead);
+    for (; c + kWideCols <= c1; c += kWideCols) Int4RowSegment<1>(p, c, a, b, g, part, ahead);
+    a = b;
+  }
+}
+
+// y = x @ W for one row of x and int4 codes (N a multiple of 64): each work item sums its
+// range of code rows over its columns into its own partial row, and the partial rows are added
+// and put back into column order at the end.
+void Int4Row(const Problem& p, ffi::ThreadPool& pool) {
+  const RowSplit split = SplitOneRow(p, pool.num_threads());
+  const int64_t kh = p.k / 2;
+  std::vector<float> parts(split.parts * p.n, 0.0f);  // [parts, N], permuted within 64 columns
+  jaxinfer::ParallelFor(pool, split.parts * split.col_blocks, p.k * p.n, [&](int64_t item) {
+    const int64_t part = item / split.col_blocks, block = item % split.col_blocks;
+    const int64_t c0 = block * split.block_cols, c1 = std::min(p.n, c0 + split.block_cols);
+    Int4RowRange(p, kh * part / split.parts, kh * (part + 1) / split.parts, c0, c1,
+                 parts.data() + part * p.n);
+  });
+  // Back to column order: y[16 j + e] = out[e % 4][4 j + e / 4] within each 64 columns.
+  __m512i idx_a[4], idx_b[4];
   for (int j = 0; j < 4; ++j) {
     alignas(64) int32_t ia[16], ib[16];
     for (int e = 0; e < 16; ++e) {
       ia[e] = (e % 4 == 1 ? 16 : 0) + 4 * j + e / 4;  // out[0] | out[1]
       ib[e] = (e % 4 == 3 ? 16 : 0) + 4 * j + e / 4;  // out[2] | out[3]
     }
-    const __m512i idx_a = _mm512_load_si512(ia), idx_b = _mm512_load_si512(ib);
-    for (int c = 0; c < C; ++c) {
-      const __m512 a = _mm512_permutex2var_ps(out[c][0], idx_a, out[c][1]);
-      const __m512 b = _mm512_permutex2var_ps(out[c][2], idx_b, out[c][3]);
-      _mm512_storeu_ps(p.y + m * p.n + c0 + 64 * c + 16 * j, _mm512_mask_blend_ps(0xCCCC, a, b));
+    idx_a[j] = _mm512_load_si512(ia);
+    idx_b[j] = _mm512_load_si512(ib);
+  }
+  for (int64_t c0 = 0; c0 < p.n; c0 += kWideCols) {
+    __m512 out[4];
+    for (int t = 0; t < 4; ++t) {
+      out[t] = _mm512_loadu_ps(parts.data() + c0 + 16 * t);
+      for (int64_t i = 1; i < split.parts; ++i)
+        out[t] = _mm512_add_ps(out[t], _mm512_loadu_ps(parts.data() + i * p.n + c0 + 16 * t));
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m512 a = _mm512_permutex2var_ps(out[0], idx_a[j], out[1]);
+      const __m512 b = _mm512_permutex2var_ps(out[2], idx_b[j], out[3]);
+      _mm512_storeu_ps(p.y + c0 + 16 * j, _mm512_mask_blend_ps(0xCCCC, a, b));
     }
   }
 }
@@ -530,10 +606,6 @@ void RunItem(const Problem& p, int64_t c0, int64_t c1) {
   if (p.bits == 8 && p.m == 1) {
     for (; c + 4 * kWideCols <= c1; c += 4 * kWideCols) Int8RowWide<4>(p, 0, c);
   }
-  if (p.bits == 4 && p.m == 1) {
-    for (; c + 4 * kWideCols <= c1; c += 4 * kWideCols) Int4RowShifted<4>(p, 0, c);
-    for (; c + kWideCols <= c1; c += kWideCols) Int4RowShifted<1>(p, 0, c);
-  }
   for (; c + kWideCols <= c1; c += kWideCols) {
     int64_t m0 = 0;
     for (; m0 + 2 <= p.m; m0 += 2) {
@@ -574,6 +646,12 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if (p.n % kCols != 0) {
     return ffi::Error::InvalidArgument("the number of output columns must be a multiple of 32");
   }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if (p.m == 1 && p.bits == 4 && p.n % kWideCols == 0) {
+    Int4Row(p, pool);
+    return ffi::Error::Success();
+  }
+#endif
   jaxinfer::ParallelFor(pool, (p.n + kItemCols - 1) / kItemCols, p.m * p.k * p.n, [&](int64_t i) {
     RunItem(p, i * kItemCols, std::min(p.n, (i + 1) * kItemCols));
   });

@@ -52,6 +52,18 @@ def test_matches_reference(kind, m):
     assert _check(qw, m) < TOL
 
 
+# One row of int4 codes is cut into ranges of code rows (at least 64 rows each, cut inside a
+# group where it falls there) times ranges of columns, whose partial rows are added at the end:
+# K = 128: one range of rows, the 3 chunks of 64 columns in two column ranges; K = 1536: 768
+# code rows in two ranges, 9 chunks as 4 + 4 + 1; K = 2112, N = 64: ranges cut mid-group, one
+# chunk; N = 96 (not a multiple of 64) takes the row-pair path.
+@pytest.mark.parametrize("k,n", [(128, 192), (1536, 576), (2112, 64), (576, 96)])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_one_row_int4_work_splits(k, n, symmetric):
+    qw = quant.quantize_int4(_weight(k, n, seed=k + n), 32, symmetric=symmetric)
+    assert _check(qw, 1) < TOL
+
+
 def test_gguf_blocks_as_stored_and_bf16_activations():
     """A Q4_1 tensor imported as stored (f16 scales and minimums), and bf16 activations in."""
     k, n = 64, 96
