@@ -12,10 +12,11 @@
 //   y[m, n] = sum_g scale[g, n] * sum_{k in g} x[m, k] q[k, n]  (+ min[g, n] * sum_{k in g} x[m, k])
 // Work items are blocks of output columns, spread over XLA's intra-op thread pool; each item
 // takes the rows of x kRows at a time, so a block of the weight is streamed from memory once
-// and reused from cache for the other row blocks. One row of x against int4 codes is cut by
-// code rows instead (Int4Row): each item walks one region of the codes forward and sums into
-// its own partial row. It is meant for the few rows of a decode step (a memory-bound product);
-// many rows are faster through a dense matmul.
+// and reused from cache for the other row blocks. One row of x is cut differently (OneRow):
+// into blocks of up to 4096 columns, each walked forward row by row, and where that makes too
+// few items, into ranges of the code rows too, each summed into its own partial row. It is
+// meant for the few rows of a decode step (a memory-bound product); many rows are faster
+// through a dense matmul.
 
 #include <algorithm>
 #include <cstdint>
@@ -263,7 +264,7 @@ void Int4BlockAvx512(const Problem& p, int64_t m0, int64_t c0) {
 // mask and an int-to-float conversion took two more). The 8 copies hold the t-th byte of each
 // dword (columns 4 d + t, d = 0..15), low (row i) or high (row K/2 + i) nibble. The
 // accumulators live in that permuted column order; each group's scales and minimums are
-// permuted to it once, and the result is put back in column order at the end (Int4Row).
+// permuted to it once, and the result is put back in column order at the end (OneRow).
 inline __m512 permuted_param(const __m512 s[4], int t) {
   // lanes d of the result: column 4 d + t of the 64 held in s[0..3] (16 columns each)
   const __m512i lo_idx = _mm512_set_epi32(28 + t, 24 + t, 20 + t, 16 + t, 12 + t, 8 + t, 4 + t, t,
@@ -273,11 +274,11 @@ inline __m512 permuted_param(const __m512 s[4], int t) {
   return _mm512_mask_blend_ps(0xFF00, a, b);
 }
 
-// Where a one-row int4 product's prefetches go next: the bytes of the code rows and columns
-// that the work item reads, in memory order, a fixed number of rows ahead of its reads.
+// Where a one-row product's prefetches go next: the bytes of the code rows and columns that
+// the work item reads, in memory order, a fixed number of rows ahead of its reads.
 struct PrefetchStream {
   const uint8_t* codes;
-  int64_t n, c0, c1;  // the row stride and the item's columns
+  int64_t n, c0, c1;  // the row stride and the item's columns (bytes: int8, or int4 pairs)
   int64_t row, end_row, col;
 
   void Next() {
@@ -348,53 +349,104 @@ void Int4RowSegment(const Problem& p, int64_t c0, int64_t a, int64_t b, int64_t 
   }
 }
 
-// How a one-row int4 product is cut into work items: `parts` ranges of the code rows (each
-// item's reads are then one region of memory walked forward, which the prefetches can follow
-// and the memory serves faster than many short strided pieces) times `col_blocks` ranges of
-// the columns (where there are more threads than row ranges worth having).
+// The same for int8 codes: rows [a, b) of group g, in column order.
+template <int C>
+void Int8RowSegment(const Problem& p, int64_t c0, int64_t a, int64_t b, int64_t g, float* part,
+                    PrefetchStream& ahead) {
+  const int8_t* q = static_cast<const int8_t*>(p.values);
+  __m512 acc[C][4];
+  for (int c = 0; c < C; ++c)
+    for (int j = 0; j < 4; ++j) acc[c][j] = _mm512_setzero_ps();
+  for (int64_t i = a; i < b; ++i) {
+    const int8_t* row = q + i * p.n + c0;
+    for (int c = 0; c < C; ++c) ahead.Next();
+    const __m512 xv = _mm512_set1_ps(p.x[i]);
+    for (int c = 0; c < C; ++c) {
+      const __m512i v = _mm512_loadu_si512(row + 64 * c);
+      for (int j = 0; j < 4; ++j)
+        acc[c][j] = _mm512_fmadd_ps(xv, i8_to_ps(_mm512_extracti32x4_epi32(v, j)), acc[c][j]);
+    }
+  }
+  for (int c = 0; c < C; ++c)
+    for (int j = 0; j < 4; ++j) {
+      const __m512 sc = load_param16(p.scales, g * p.n + c0 + 64 * c + 16 * j, p.f16_params);
+      float* dst = part + c0 + 64 * c + 16 * j;
+      _mm512_storeu_ps(dst, _mm512_fmadd_ps(acc[c][j], sc, _mm512_loadu_ps(dst)));
+    }
+}
+
+// How a one-row product is cut into work items: ranges of the columns no wider than
+// kMaxBlockCols, so that each item's reads are one region of memory walked forward row by row,
+// which its prefetches follow and the memory serves faster than many short strided pieces
+// (SmolLM2's LM head at one row: 256-column items 1.33 ms, 4096-column ones 1.09); where that
+// gives too few items to keep the threads busy, ranges of the code rows too, each summed into
+// its own partial row (its 30 layers at one row: 4.5 -> 3.9 ms).
 struct RowSplit {
-  int64_t parts, col_blocks, block_cols;
+  int64_t parts, col_blocks, block_cols, ahead_rows;
 };
 
-constexpr int64_t kMinPartRows = 64;  // code rows per row range at least (two groups of 32)
-constexpr int64_t kAheadRows = 24;    // how far ahead of its reads an item prefetches, in rows
+constexpr int64_t kMaxBlockCols = 4096;
+constexpr int64_t kMinPartRows = 64;       // code rows per row range at least (two groups of 32)
+constexpr int64_t kAheadBytes = 32 << 10;  // how far ahead of its reads an item prefetches
 
 RowSplit SplitOneRow(const Problem& p, int64_t threads) {
-  const int64_t kh = p.k / 2, chunks = p.n / kWideCols;
+  const int64_t rows = p.bits == 4 ? p.k / 2 : p.k, chunks = p.n / kWideCols;
+  const int64_t narrow_blocks = (p.n + kMaxBlockCols - 1) / kMaxBlockCols;
   RowSplit s;
-  s.parts = std::max<int64_t>(1, std::min(threads, kh / kMinPartRows));
-  s.col_blocks = std::min(chunks, (threads + s.parts - 1) / s.parts);
+  s.parts = narrow_blocks >= 4 * threads
+                ? 1
+                : std::max<int64_t>(1, std::min(threads, rows / kMinPartRows));
+  s.col_blocks = std::min(chunks, std::max(narrow_blocks, (threads + s.parts - 1) / s.parts));
   s.block_cols = (chunks + s.col_blocks - 1) / s.col_blocks * kWideCols;
   s.col_blocks = (p.n + s.block_cols - 1) / s.block_cols;
+  s.ahead_rows = std::clamp<int64_t>(kAheadBytes / s.block_cols, 8, 24);
   return s;
 }
 
-// Code rows [r0, r1), columns [c0, c1) of one row of x, added into `part` (permuted order).
-void Int4RowRange(const Problem& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float* part) {
+// Code rows [r0, r1), columns [c0, c1) of one row of x, added into `part`.
+template <int Bits>
+void RowRange(const Problem& p, const RowSplit& split, int64_t r0, int64_t r1, int64_t c0,
+              int64_t c1, float* part) {
   PrefetchStream ahead{static_cast<const uint8_t*>(p.values), p.n, c0, c1,
-                       std::min(r1, r0 + kAheadRows), r1, c0};
+                       std::min(r1, r0 + split.ahead_rows), r1, c0};
   for (int64_t a = r0; a < r1;) {
     const int64_t g = a / p.group_size, b = std::min(r1, (g + 1) * p.group_size);
     int64_t c = c0;
-    for (; c + 4 * kWideCols <= c1; c += 4 * kWideCols) Int4RowSegment<4>(p, c, a, b, g, part, ahead);
-    for (; c + kWideCols <= c1; c += kWideCols) Int4RowSegment<1>(p, c, a, b, g, part, ahead);
+    if constexpr (Bits == 4) {
+      for (; c + 4 * kWideCols <= c1; c += 4 * kWideCols) Int4RowSegment<4>(p, c, a, b, g, part, ahead);
+      for (; c + kWideCols <= c1; c += kWideCols) Int4RowSegment<1>(p, c, a, b, g, part, ahead);
+    } else {
+      for (; c + 4 * kWideCols <= c1; c += 4 * kWideCols) Int8RowSegment<4>(p, c, a, b, g, part, ahead);
+      for (; c + kWideCols <= c1; c += kWideCols) Int8RowSegment<1>(p, c, a, b, g, part, ahead);
+    }
     a = b;
   }
 }
 
-// y = x @ W for one row of x and int4 codes (N a multiple of 64): each work item sums its
-// range of code rows over its columns into its own partial row, and the partial rows are added
-// and put back into column order at the end.
-void Int4Row(const Problem& p, ffi::ThreadPool& pool) {
+// y = x @ W for one row of x (N a multiple of 64): each work item sums its range of code rows
+// over its columns into its own partial row; the partial rows are added at the end (and, for
+// int4, put back into column order).
+void OneRow(const Problem& p, ffi::ThreadPool& pool) {
   const RowSplit split = SplitOneRow(p, pool.num_threads());
-  const int64_t kh = p.k / 2;
-  std::vector<float> parts(split.parts * p.n, 0.0f);  // [parts, N], permuted within 64 columns
+  const int64_t rows = p.bits == 4 ? p.k / 2 : p.k;
+  std::vector<float> parts(split.parts * p.n, 0.0f);  // [parts, N]
   jaxinfer::ParallelFor(pool, split.parts * split.col_blocks, p.k * p.n, [&](int64_t item) {
     const int64_t part = item / split.col_blocks, block = item % split.col_blocks;
     const int64_t c0 = block * split.block_cols, c1 = std::min(p.n, c0 + split.block_cols);
-    Int4RowRange(p, kh * part / split.parts, kh * (part + 1) / split.parts, c0, c1,
-                 parts.data() + part * p.n);
+    const int64_t r0 = rows * part / split.parts, r1 = rows * (part + 1) / split.parts;
+    float* dst = parts.data() + part * p.n;
+    if (p.bits == 4) RowRange<4>(p, split, r0, r1, c0, c1, dst);
+    else RowRange<8>(p, split, r0, r1, c0, c1, dst);
   });
+  if (p.bits == 8) {
+    for (int64_t c = 0; c < p.n; c += 16) {
+      __m512 o = _mm512_loadu_ps(parts.data() + c);
+      for (int64_t i = 1; i < split.parts; ++i)
+        o = _mm512_add_ps(o, _mm512_loadu_ps(parts.data() + i * p.n + c));
+      _mm512_storeu_ps(p.y + c, o);
+    }
+    return;
+  }
   // Back to column order: y[16 j + e] = out[e % 4][4 j + e / 4] within each 64 columns.
   __m512i idx_a[4], idx_b[4];
   for (int j = 0; j < 4; ++j) {
@@ -419,45 +471,6 @@ void Int4Row(const Problem& p, ffi::ThreadPool& pool) {
       _mm512_storeu_ps(p.y + c0 + 16 * j, _mm512_mask_blend_ps(0xCCCC, a, b));
     }
   }
-}
-
-// One row of x against int8 codes, C chunks of 64 columns per pass over the rows: each row's
-// C * 64 bytes are contiguous (a wide LM head's rows are N bytes apart, one page or more, so a
-// chunk at a time would touch a new page per code row).
-template <int C>
-void Int8RowWide(const Problem& p, int64_t m, int64_t c0) {
-  const int8_t* q = static_cast<const int8_t*>(p.values);
-  const int64_t gs = p.group_size, num_groups = (p.k + gs - 1) / gs;
-  const float* x = p.x + m * p.k;
-  __m512 out[C][4];
-  for (int c = 0; c < C; ++c)
-    for (int j = 0; j < 4; ++j) out[c][j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < num_groups; ++g) {
-    __m512 acc[C][4];
-    for (int c = 0; c < C; ++c)
-      for (int j = 0; j < 4; ++j) acc[c][j] = _mm512_setzero_ps();
-    const int64_t k_end = std::min(p.k, (g + 1) * gs);
-    for (int64_t k = g * gs; k < k_end; ++k) {
-      const int8_t* row = q + k * p.n + c0;
-      if (k + kPrefetchRows < p.k) {
-        for (int c = 0; c < C; ++c)
-          _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.n + 64 * c), _MM_HINT_T0);
-      }
-      const __m512 xv = _mm512_set1_ps(x[k]);
-      for (int c = 0; c < C; ++c) {
-        const __m512i v = _mm512_loadu_si512(row + 64 * c);
-        for (int j = 0; j < 4; ++j)
-          acc[c][j] = _mm512_fmadd_ps(xv, i8_to_ps(_mm512_extracti32x4_epi32(v, j)), acc[c][j]);
-      }
-    }
-    for (int c = 0; c < C; ++c)
-      for (int j = 0; j < 4; ++j) {
-        const __m512 sc = load_param16(p.scales, g * p.n + c0 + 64 * c + 16 * j, p.f16_params);
-        out[c][j] = _mm512_fmadd_ps(acc[c][j], sc, out[c][j]);
-      }
-  }
-  for (int c = 0; c < C; ++c)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(p.y + m * p.n + c0 + 64 * c + 16 * j, out[c][j]);
 }
 
 // Many rows: a panel of the weight (kPanelK values of K by 64 columns) is dequantized once into
@@ -603,9 +616,6 @@ void RunItem(const Problem& p, int64_t c0, int64_t c1) {
   if (p.m >= kPanelMinRows) {
     for (; c + kWideCols <= c1; c += kWideCols) PanelColumns(p, c);
   }
-  if (p.bits == 8 && p.m == 1) {
-    for (; c + 4 * kWideCols <= c1; c += 4 * kWideCols) Int8RowWide<4>(p, 0, c);
-  }
   for (; c + kWideCols <= c1; c += kWideCols) {
     int64_t m0 = 0;
     for (; m0 + 2 <= p.m; m0 += 2) {
@@ -647,8 +657,8 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
     return ffi::Error::InvalidArgument("the number of output columns must be a multiple of 32");
   }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (p.m == 1 && p.bits == 4 && p.n % kWideCols == 0) {
-    Int4Row(p, pool);
+  if (p.m == 1 && p.n % kWideCols == 0) {
+    OneRow(p, pool);
     return ffi::Error::Success();
   }
 #endif

@@ -52,15 +52,20 @@ def test_matches_reference(kind, m):
     assert _check(qw, m) < TOL
 
 
-# One row of int4 codes is cut into ranges of code rows (at least 64 rows each, cut inside a
-# group where it falls there) times ranges of columns, whose partial rows are added at the end:
-# K = 128: one range of rows, the 3 chunks of 64 columns in two column ranges; K = 1536: 768
-# code rows in two ranges, 9 chunks as 4 + 4 + 1; K = 2112, N = 64: ranges cut mid-group, one
-# chunk; N = 96 (not a multiple of 64) takes the row-pair path.
-@pytest.mark.parametrize("k,n", [(128, 192), (1536, 576), (2112, 64), (576, 96)])
-@pytest.mark.parametrize("symmetric", [False, True])
-def test_one_row_int4_work_splits(k, n, symmetric):
-    qw = quant.quantize_int4(_weight(k, n, seed=k + n), 32, symmetric=symmetric)
+# One row of x is cut into blocks of up to 4096 columns and, where that gives too few work
+# items, ranges of code rows (at least 64 rows each, cut inside a group where it falls there)
+# whose partial rows are added at the end. K = 128: one range of rows, the 3 chunks of 64
+# columns in two blocks; K = 1536: two ranges of rows, 9 chunks as 4 + 4 + 1; K = 2112, N = 64:
+# ranges cut mid-group, one chunk; N = 32832: nine blocks and one range of rows (a wide LM
+# head's split); N = 96 (not a multiple of 64) takes the row-pair path.
+@pytest.mark.parametrize("k,n", [(128, 192), (1536, 576), (2112, 64), (64, 32832), (576, 96)])
+@pytest.mark.parametrize("kind", ["int4 asym", "int4 sym", "int8 g32", "int8 channel"])
+def test_one_row_work_splits(k, n, kind):
+    w = _weight(k, n, seed=k + n)
+    qw = {"int4 asym": lambda: quant.quantize_int4(w, 32, symmetric=False),
+          "int4 sym": lambda: quant.quantize_int4(w, 32, symmetric=True),
+          "int8 g32": lambda: quant.quantize_int8(w, 32),
+          "int8 channel": lambda: quant.quantize_int8(w)}[kind]()
     assert _check(qw, 1) < TOL
 
 
