@@ -429,20 +429,29 @@ void RowRange(const Problem& p, const RowSplit& split, int64_t r0, int64_t r1, i
 void OneRow(const Problem& p, ffi::ThreadPool& pool) {
   const RowSplit split = SplitOneRow(p, pool.num_threads());
   const int64_t rows = p.bits == 4 ? p.k / 2 : p.k;
-  std::vector<float> parts(split.parts * p.n, 0.0f);  // [parts, N]
+  // [parts, N]; a single partial row is y itself (a wide LM head's row is ~200 KB)
+  std::vector<float> scratch;
+  float* parts = p.y;
+  if (split.parts == 1) {
+    std::memset(p.y, 0, p.n * sizeof(float));
+  } else {
+    scratch.assign(split.parts * p.n, 0.0f);
+    parts = scratch.data();
+  }
   jaxinfer::ParallelFor(pool, split.parts * split.col_blocks, p.k * p.n, [&](int64_t item) {
     const int64_t part = item / split.col_blocks, block = item % split.col_blocks;
     const int64_t c0 = block * split.block_cols, c1 = std::min(p.n, c0 + split.block_cols);
     const int64_t r0 = rows * part / split.parts, r1 = rows * (part + 1) / split.parts;
-    float* dst = parts.data() + part * p.n;
+    float* dst = parts + part * p.n;
     if (p.bits == 4) RowRange<4>(p, split, r0, r1, c0, c1, dst);
     else RowRange<8>(p, split, r0, r1, c0, c1, dst);
   });
   if (p.bits == 8) {
+    if (split.parts == 1) return;
     for (int64_t c = 0; c < p.n; c += 16) {
-      __m512 o = _mm512_loadu_ps(parts.data() + c);
+      __m512 o = _mm512_loadu_ps(parts + c);
       for (int64_t i = 1; i < split.parts; ++i)
-        o = _mm512_add_ps(o, _mm512_loadu_ps(parts.data() + i * p.n + c));
+        o = _mm512_add_ps(o, _mm512_loadu_ps(parts + i * p.n + c));
       _mm512_storeu_ps(p.y + c, o);
     }
     return;
@@ -461,9 +470,9 @@ void OneRow(const Problem& p, ffi::ThreadPool& pool) {
   for (int64_t c0 = 0; c0 < p.n; c0 += kWideCols) {
     __m512 out[4];
     for (int t = 0; t < 4; ++t) {
-      out[t] = _mm512_loadu_ps(parts.data() + c0 + 16 * t);
+      out[t] = _mm512_loadu_ps(parts + c0 + 16 * t);
       for (int64_t i = 1; i < split.parts; ++i)
-        out[t] = _mm512_add_ps(out[t], _mm512_loadu_ps(parts.data() + i * p.n + c0 + 16 * t));
+        out[t] = _mm512_add_ps(out[t], _mm512_loadu_ps(parts + i * p.n + c0 + 16 * t));
     }
     for (int j = 0; j < 4; ++j) {
       const __m512 a = _mm512_permutex2var_ps(out[0], idx_a[j], out[1]);
