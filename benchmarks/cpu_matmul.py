@@ -3,6 +3,7 @@
     JAX_PLATFORMS=cpu python benchmarks/cpu_matmul.py                 # rows 1 .. 512
     JAX_PLATFORMS=cpu python benchmarks/cpu_matmul.py --rows 1,16,64
     JAX_PLATFORMS=cpu python benchmarks/cpu_matmul.py --rows 1,9 --against /tmp/old.cc
+    JAX_PLATFORMS=cpu python benchmarks/cpu_matmul.py --rows 1,64 --lm-head
 
 One jitted call runs the weight matmuls of SmolLM2-135M's 30 layers (fused q/k/v [576, 960],
 o [576, 576], fused gate/up [576, 3072], down [1536, 576]) on M rows, each layer's output
@@ -13,7 +14,12 @@ round, and the best round of each is kept, so load from other users of a shared 
 both alike. This is where `cpu_kernels.quant_matmul.dense_faster_above_rows` comes from: the
 row count above which the engine would rather keep a float copy of each weight. With --against,
 the float kernel built from another version of `quant_matmul.cc` runs too, interleaved, after
-a check that its product of one layer's matrix equals this version's bit for bit.
+a check whether its product of one layer's matrix equals this version's bit for bit.
+
+--lm-head times SmolLM2's LM head instead (int8 codes in groups of 32, f16 scales: the GGUF's
+Q8_0 [576, 49152], ~30 MB) and passes over a 64 MiB buffer before every timed call, so that the
+head comes from memory as it does in a step (where the layers' weights pass through the caches
+first; a last-level cache of 32 MB would otherwise hold most of it).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import numpy as np  # noqa: E402
 from cpu_kernels import build  # noqa: E402
 from cpu_kernels import quant_matmul as cpu_quant  # noqa: E402
 
-LAYERS, HIDDEN, FFN, KV = 30, 576, 1536, 192
+LAYERS, HIDDEN, FFN, KV, VOCAB = 30, 576, 1536, 192, 49152
 SHAPES = [(HIDDEN, HIDDEN + 2 * KV), (HIDDEN, HIDDEN), (HIDDEN, 2 * FFN), (FFN, HIDDEN)]
 
 
@@ -55,6 +61,23 @@ def int4_matmul(target: str):
     return matmul
 
 
+def int8_matmul(target: str):
+    """x @ W through kernel `target` for Q8_0-shaped codes (quant_matmul's call, float x)."""
+    def matmul(x, w):
+        values, scales = w
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], values.shape[1]),
+                                                             jnp.float32))
+        return call(x, values, scales, scales, bits=np.int64(8), group_size=np.int64(32),
+                    has_mins=np.int64(0))
+    return matmul
+
+
+def lm_head_codes(rng):
+    """Random Q8_0-shaped codes of the LM head: i8[576, 49152] values, f16[18, 49152] scales."""
+    return (jnp.asarray(rng.integers(-127, 128, (HIDDEN, VOCAB), dtype=np.int8)),
+            jnp.asarray((rng.random((HIDDEN // 32, VOCAB)) * 0.01).astype(np.float16)))
+
+
 def layers(matmul):
     """The 30 layers' products, each layer's output the next one's input: x [M, 576] -> [M, 576]."""
     def run(x, weights):
@@ -74,7 +97,11 @@ def main(argv=None) -> int:
     ap.add_argument("--against", type=Path, help="another version of quant_matmul.cc")
     ap.add_argument("--int8-activations", action="store_true",
                     help="also the kernel with x rounded to int8 (integer dot products)")
+    ap.add_argument("--lm-head", action="store_true",
+                    help="the LM head (Q8_0 [576, 49152]) from memory instead of the 30 layers")
     args = ap.parse_args(argv)
+    if args.lm_head:
+        return lm_head(args)
     if not cpu_quant.available():
         print("the CPU kernels are not available here")
         return 1
@@ -121,6 +148,49 @@ def main(argv=None) -> int:
                     f" {same} |")
         if args.int8_activations:
             row += f" {best['q8'] * 1e3:.1f} | {best['kernel'] / best['q8']:.2f}x |"
+        print(row, flush=True)
+    return 0
+
+
+def lm_head(args) -> int:
+    """The --lm-head table: the one matrix, from memory each call."""
+    rng = np.random.default_rng(0)
+    head = lm_head_codes(rng)
+    dense = jnp.asarray(rng.standard_normal((HIDDEN, VOCAB), np.float32) * 0.02)
+    runs = {"kernel": (jax.jit(lambda x, w: cpu_quant.quant_matmul(x, *w, None, bits=8,
+                                                                   group_size=32)), head),
+            "xla": (jax.jit(jnp.dot), dense)}
+    if args.against:
+        against = jax.jit(int8_matmul(
+            build.load_variant(args.against, "quant_matmul", "JaxinferQuantMatmul", "against")))
+        runs["against"] = (against, head)
+    flush_buffer = jnp.ones((64 << 20) // 4, jnp.float32)
+    flush = jax.jit(lambda b: jnp.sum(b * 1.0001))
+    print(f"SmolLM2-135M's LM head, int8 codes [576, 49152] ({jax.devices()[0]}, "
+          f"{os.cpu_count()} cores; best of {args.rounds} rounds, interleaved, caches flushed)")
+    head_row = "| rows | C++ kernel on int8 codes, ms | GB/s | XLA dense f32, ms | dense / kernel |"
+    if args.against:
+        head_row += f" {args.against.name}, ms | {args.against.name} / kernel | bitwise equal |"
+    print(head_row)
+    print("|---" * (head_row.count("|") - 1) + "|")
+    nbytes = HIDDEN * VOCAB + (HIDDEN // 32) * VOCAB * 2
+    for m in (int(r) for r in args.rows.split(",")):
+        x = jnp.asarray(np.random.default_rng(m).standard_normal((m, HIDDEN)), jnp.float32)
+        best = dict.fromkeys(runs, float("inf"))
+        for fn, w in runs.values():
+            fn(x, w).block_until_ready()  # compile
+        for _ in range(args.rounds):
+            for name, (fn, w) in runs.items():
+                flush(flush_buffer).block_until_ready()
+                t0 = time.perf_counter()
+                fn(x, w).block_until_ready()
+                best[name] = min(best[name], time.perf_counter() - t0)
+        row = (f"| {m} | {best['kernel'] * 1e3:.2f} | {nbytes / best['kernel'] / 1e9:.1f} | "
+               f"{best['xla'] * 1e3:.2f} | {best['xla'] / best['kernel']:.2f}x |")
+        if args.against:
+            same = bool(jnp.array_equal(against(x, head), runs["kernel"][0](x, head)))
+            row += (f" {best['against'] * 1e3:.2f} | {best['against'] / best['kernel']:.2f}x |"
+                    f" {same} |")
         print(row, flush=True)
     return 0
 
