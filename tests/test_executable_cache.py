@@ -90,6 +90,51 @@ def test_damaged_entry_is_compiled_again(tiny_llama_dir, cache_root, reference, 
     assert _outputs(llm) == reference
 
 
+def _warmup_inputs(llm):
+    e = llm.engine
+    return list(warmup_step_inputs(e.engine_config, e.max_model_len, buckets=e.buckets,
+                                   bitmask_words=bitmask_words(e.vocab_size)))
+
+
+class _Broken:
+    """An executable as a damaged cache entry can restore it: loads, then fails when run."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        raise RuntimeError("NOT_FOUND: Function slice_bitcast-convert_fusion.3 not found")
+
+
+def test_an_executable_failing_its_first_run_is_compiled_again(tiny_llama_dir, cache_root,
+                                                               reference, monkeypatch, caplog):
+    llm = _cached_llm(tiny_llama_dir, cache_root, monkeypatch)
+    runner, inputs = llm.engine.runner, _warmup_inputs(llm)
+    signature = (inputs[0].pack()[1], runner.flags)
+    entries = {p: p.stat().st_mtime_ns for p in cache_root.glob("*/*.jaxexe")}
+    broken = runner._executables[signature] = _Broken()
+    with caplog.at_level(logging.WARNING, logger="jaxinfer.runtime.runner"):
+        assert runner.check_executables(inputs) == 1
+    assert broken.calls == 1 and "failed its first run" in caplog.text
+    assert runner._executables[signature] is not broken
+    rewritten = [p for p, t in entries.items() if p.stat().st_mtime_ns != t]
+    assert len(rewritten) == 1  # its cache entry, and no other
+    assert runner.check_executables(inputs) == 0  # every one runs now
+    assert _outputs(llm) == reference
+
+
+def test_an_executable_failing_again_after_the_recompile_raises(tiny_llama_dir, cache_root,
+                                                                monkeypatch):
+    llm = _cached_llm(tiny_llama_dir, cache_root, monkeypatch)
+    runner, inputs = llm.engine.runner, _warmup_inputs(llm)
+    signature = (inputs[-1].pack()[1], runner.flags)
+    runner._executables[signature] = _Broken()
+    monkeypatch.setattr(runner, "_compile_uncached", lambda step_input: _Broken())
+    with pytest.raises(RuntimeError, match="not found"):
+        runner.check_executables(inputs)
+
+
 def test_other_settings_miss(tiny_llama_dir, cache_root, monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="jaxinfer.runtime.runner"):
         llm = _cached_llm(tiny_llama_dir, cache_root, monkeypatch, num_pages=40)

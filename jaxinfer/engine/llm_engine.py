@@ -287,7 +287,8 @@ class LLMEngine:
 
     def warmup(self) -> None:
         """Compiles (or loads from the executable cache) every shape bucket now, so no request
-        waits through a compile, then runs the smallest one as a check that the device works.
+        waits through a compile, then runs each once (`ModelRunner.check_executables`: one that
+        fails is compiled again; the device is known to work).
         Logs its progress (step shapes done / total, seconds) about ten times on the way."""
         t0 = time.perf_counter()
         step_inputs = list(warmup_step_inputs(self.engine_config, self.max_model_len,
@@ -304,7 +305,9 @@ class LLMEngine:
             if done < total:
                 logger.info("warm-up: %d/%d step shapes (%.1f s)", done, total,
                             time.perf_counter() - t0)
-        self.runner.execute(step_inputs[0])  # all padding: touches only the null page
+        # each executable runs once (all padding: touches only the null page), so one that a
+        # cache returned damaged is compiled again now, not failing requests later
+        self.runner.check_executables(step_inputs)
         logger.info("warm-up: %d/%d step shapes, %d executables in %.1f s", total, total,
                     self.runner.num_compilations, time.perf_counter() - t0)
         if self.spec_policy is not None and self.engine_config.spec_max_batched_tokens is None:

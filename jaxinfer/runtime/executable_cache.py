@@ -12,7 +12,10 @@ executable (`jax.experimental.serialize_executable`) by what determines the prog
     (packed layout, flags), and every argument's shape, dtype and sharding.
 
 A mismatch anywhere is a miss, never a wrong hit; a loaded executable still checks its arguments'
-types on every call. It lives beside JAX's cache (`<jax_compilation_cache_dir>/jaxinfer-executables`)
+types on every call. XLA:CPU has been seen to restore an executable (from this cache or from JAX's)
+that then fails when run ("Function ... not found"), now and then and not the same one each time:
+warm-up therefore runs every executable once and compiles a failing one again past both caches
+(`ModelRunner.check_executables`). It lives beside JAX's cache (`<jax_compilation_cache_dir>/jaxinfer-executables`)
 and only while that cache is on; JAXINFER_NO_CACHE=1 turns it off. Loading one unpickles a file
 from that directory: like JAX's own cache (which loads machine code from it), the directory must be
 the user's own.

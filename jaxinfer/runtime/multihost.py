@@ -157,6 +157,10 @@ class MultiHostRunner(ModelRunner):
                 new += 1
         return new
 
+    def check_executables(self, step_inputs) -> int:
+        """Each bucket already ran, with the followers, when `compile` prepared it."""
+        return 0
+
     def stop_followers(self, error: str | None = None) -> None:
         """Ends the followers' loops (once; the leader only, between steps): normally, or with
         `error`, which each follower raises as LeaderFailed."""

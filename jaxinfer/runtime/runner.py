@@ -30,6 +30,11 @@ from jaxinfer.sched.step_input import StepInput
 
 logger = logging.getLogger(__name__)
 
+# An XLA option at its default value, passed to a compile that must not be served from JAX's
+# persistent cache: compile options are part of that cache's key, so the key is new (a miss),
+# while the program compiles as it would without it.
+_UNCACHED_COMPILE = {"xla_embed_ir_in_executable": False}
+
 
 class ModelRunner:
     def __init__(
@@ -213,6 +218,42 @@ class ModelRunner:
         mappings each one took so far, would pass the process's limit (runtime/memory_maps.py)."""
         new = {(si.pack()[1], self.flags) for si in step_inputs} - self._seen_signatures
         memory_maps.check_room(len(new), self.maps_per_executable)
+
+    def check_executables(self, step_inputs: Iterable[StepInput]) -> int:
+        """Runs the prepared executable of each of these (all-padding) inputs once. One that fails
+        is compiled again past both caches, saved over its cache entry and run once more (a
+        second failure raises): an executable restored from a cache has been seen to lack one of
+        its functions ("Function ... not found"), and would otherwise fail every step of its
+        shape, on every start. Returns how many were compiled again."""
+        seen, num_recompiled = set(), 0
+        for step_input in step_inputs:
+            signature = (step_input.pack()[1], self.flags)
+            if signature in seen:
+                continue
+            seen.add(signature)
+            try:
+                self.execute(step_input)
+            except Exception as e:  # noqa: BLE001 - compiled again below; a second failure raises
+                logger.warning("the step for (T, S, P)=%s failed its first run (%s: %s); "
+                               "compiling it again without the caches", step_input.shape,
+                               type(e).__name__, e)
+                self.restore_caches()
+                self._executables[signature] = self._compile_uncached(step_input)
+                num_recompiled += 1
+                self.execute(step_input)
+        return num_recompiled
+
+    def _compile_uncached(self, step_input: StepInput) -> jax.stages.Compiled:
+        """This input's step compiled afresh (JAX's persistent cache not read), saved over its
+        executable cache entry."""
+        flags = self.flags
+        buf, layout = step_input.pack()
+        args = self._step_args(jax.device_put(buf), np.int32(NO_LOGPROBS))
+        compiled = self._step.lower(*args, layout, flags).compile(_UNCACHED_COMPILE)
+        cache = self._executable_cache
+        if cache is not None:
+            cache.save(cache.step_key((layout, flags), args, self._cache_context), compiled)
+        return compiled
 
     def _prepare(self, step_input: StepInput) -> tuple[jax.stages.Compiled, float]:
         """(the Compiled step of this input's bucket, seconds); changes no state."""
