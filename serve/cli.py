@@ -4,9 +4,9 @@
 
 Engine settings come from EngineConfig's defaults, then a TOML preset (`--config FILE`, keys of
 EngineConfig at the top level or under [engine]), then the engine flags given on the command line.
-The JAX persistent compilation cache is on by default (`~/.cache/jaxinfer/jax`), with jaxinfer's
-serialized steps beside it (runtime/executable_cache.py), so a second start neither compiles nor
-traces; a GGUF model's converted weights and tokenizer are cached too (`~/.cache/jaxinfer`, see
+jaxinfer's serialized steps are cached by default (`~/.cache/jaxinfer/jax`,
+runtime/executable_cache.py), so a second start neither compiles nor traces them; JAX's own
+persistent cache stays off (`enable_compilation_cache`); a GGUF model's converted weights and tokenizer are cached too (`~/.cache/jaxinfer`, see
 jaxinfer/disk_cache.py; JAXINFER_NO_CACHE=1 turns those off). SIGTERM/SIGINT: admissions stop at once (503), requests in flight
 finish (up to --shutdown-timeout seconds), then the process exits with status 0.
 
@@ -82,10 +82,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM")
     g.add_argument("--compilation-cache-dir", default=default_compilation_cache_dir(),
-                   help="JAX persistent compilation cache and jaxinfer's compiled steps "
-                        "(default: %(default)s)")
+                   help="jaxinfer's compiled steps (default: %(default)s)")
     g.add_argument("--no-compilation-cache", action="store_true",
-                   help="do not read or write the compilation caches")
+                   help="do not read or write the compiled steps' cache")
     g.add_argument("--no-warmup", action="store_true",
                    help="skip compiling every shape bucket before /health turns 200")
     g.add_argument("--log-level", type=log_level_arg, choices=LEVELS, default=argparse.SUPPRESS,
@@ -128,10 +127,14 @@ def engine_settings(args: argparse.Namespace) -> dict:
 
 
 def enable_compilation_cache(path: str) -> None:
+    """jaxinfer's executable cache under `path` (it follows jax_compilation_cache_dir), with
+    JAX's own persistent cache turned off: an XLA:CPU step that JAX restores from its cache runs,
+    but serialized again into jaxinfer's cache it comes back unable to run ("Function ... not
+    found"), so jaxinfer's cache must only ever get freshly compiled steps. The price: the few
+    small jitted functions outside the step, and a draft model's steps, compile at every start."""
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # cache every entry
+    jax.config.update("jax_enable_compilation_cache", False)
 
 
 def served_name(model: str) -> str:

@@ -181,18 +181,23 @@ def test_fingerprint_follows_the_code(monkeypatch, tmp_path):
     assert executable_cache.environment_fingerprint() not in (base, changed)
 
 
-def test_off_without_jax_cache_or_with_no_cache_env(monkeypatch, tmp_path):
-    before = jax.config.jax_compilation_cache_dir
+def test_on_with_a_cache_dir_and_jax_own_cache_off(monkeypatch, tmp_path):
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache)
     try:
+        jax.config.update("jax_enable_compilation_cache", False)
         jax.config.update("jax_compilation_cache_dir", None)
         assert ExecutableCache.from_jax_config() is None
         jax.config.update("jax_compilation_cache_dir", str(tmp_path))
         cache = ExecutableCache.from_jax_config()
         assert cache is not None and cache.root == tmp_path / executable_cache.SUBDIR
+        jax.config.update("jax_enable_compilation_cache", True)  # JAX's would feed ours: off
+        assert ExecutableCache.from_jax_config() is None
+        jax.config.update("jax_enable_compilation_cache", False)
         monkeypatch.setenv("JAXINFER_NO_CACHE", "1")
         assert ExecutableCache.from_jax_config() is None
     finally:
-        jax.config.update("jax_compilation_cache_dir", before)
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_enable_compilation_cache", before[1])
 
 
 _LOAD_IN_A_NEW_PROCESS = """

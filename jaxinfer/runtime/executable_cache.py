@@ -12,11 +12,13 @@ executable (`jax.experimental.serialize_executable`) by what determines the prog
     (packed layout, flags), and every argument's shape, dtype and sharding.
 
 A mismatch anywhere is a miss, never a wrong hit; a loaded executable still checks its arguments'
-types on every call. XLA:CPU has been seen to restore an executable (from this cache or from JAX's)
-that then fails when run ("Function ... not found"), now and then and not the same one each time:
-warm-up therefore runs every executable once and compiles a failing one again past both caches
-(`ModelRunner.check_executables`). It lives beside JAX's cache (`<jax_compilation_cache_dir>/jaxinfer-executables`)
-and only while that cache is on; JAXINFER_NO_CACHE=1 turns it off. Loading one unpickles a file
+types on every call. An XLA:CPU step that JAX restored from its own persistent cache, serialized
+again here, comes back unable to run ("Function ... not found"); the server therefore keeps JAX's
+cache off (serve/cli.py) so this cache only gets freshly compiled steps, and warm-up runs every
+executable once and compiles a failing one again past both caches, saving it over its entry
+(`ModelRunner.check_executables`), which repairs entries written before. It lives in
+`<jax_compilation_cache_dir>/jaxinfer-executables`, only while that directory is set and JAX's
+own cache is off; JAXINFER_NO_CACHE=1 turns it off. Loading one unpickles a file
 from that directory: like JAX's own cache (which loads machine code from it), the directory must be
 the user's own.
 """
@@ -99,9 +101,12 @@ class ExecutableCache:
 
     @classmethod
     def from_jax_config(cls) -> "ExecutableCache | None":
-        """Beside JAX's persistent compilation cache when that is on; else None."""
+        """Under jax_compilation_cache_dir when that is set and JAX's own cache is off (as the
+        server sets them: the two caches must not feed each other, module docstring); else None."""
         jax_dir = getattr(jax.config, "jax_compilation_cache_dir", None)
         if not jax_dir or not disk_cache.cache_enabled():
+            return None
+        if getattr(jax.config, "jax_enable_compilation_cache", True):
             return None
         try:
             return cls(Path(jax_dir) / SUBDIR)

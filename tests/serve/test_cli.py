@@ -59,15 +59,16 @@ def test_preset_errors_name_the_problem(tmp_path):
 def test_compilation_cache_settings(tmp_path):
     import jax
 
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
+    from jaxinfer.runtime.executable_cache import SUBDIR, ExecutableCache
+
+    names = ("jax_compilation_cache_dir", "jax_enable_compilation_cache")
     before = {n: getattr(jax.config, n) for n in names}
     try:
         cli.enable_compilation_cache(str(tmp_path / "cache"))
         assert jax.config.jax_compilation_cache_dir == str(tmp_path / "cache")
         assert (tmp_path / "cache").is_dir()
-        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
-        assert jax.config.jax_persistent_cache_min_entry_size_bytes == -1
+        assert jax.config.jax_enable_compilation_cache is False  # JAX's own cache: off
+        assert ExecutableCache.from_jax_config().root == tmp_path / "cache" / SUBDIR  # ours: on
     finally:
         for n, v in before.items():
             jax.config.update(n, v)
