@@ -78,6 +78,22 @@ def lm_head_codes(rng):
             jnp.asarray((rng.random((HIDDEN // 32, VOCAB)) * 0.01).astype(np.float16)))
 
 
+def best_times(runs: dict, x, rounds: int, before=None) -> dict[str, float]:
+    """{name: best seconds} of `runs` ({name: (fn, weights)}) on x, interleaved round by round
+    after a first call each (the compile); `before()` runs untimed before every timed call."""
+    best = dict.fromkeys(runs, float("inf"))
+    for fn, w in runs.values():
+        fn(x, w).block_until_ready()
+    for _ in range(rounds):
+        for name, (fn, w) in runs.items():
+            if before is not None:
+                before()
+            t0 = time.perf_counter()
+            fn(x, w).block_until_ready()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
 def layers(matmul):
     """The 30 layers' products, each layer's output the next one's input: x [M, 576] -> [M, 576]."""
     def run(x, weights):
@@ -130,14 +146,7 @@ def main(argv=None) -> int:
     print("|---" * (head.count("|") - 1) + "|")
     for m in (int(r) for r in args.rows.split(",")):
         x = jnp.asarray(np.random.default_rng(m).standard_normal((m, HIDDEN)) * 0.01, jnp.float32)
-        best = dict.fromkeys(runs, float("inf"))
-        for fn, w in runs.values():
-            fn(x, w).block_until_ready()  # compile
-        for _ in range(args.rounds):
-            for name, (fn, w) in runs.items():
-                t0 = time.perf_counter()
-                fn(x, w).block_until_ready()
-                best[name] = min(best[name], time.perf_counter() - t0)
+        best = best_times(runs, x, args.rounds)
         row = (f"| {m} | {best['kernel'] * 1e3:.1f} | {best['xla'] * 1e3:.1f} | "
                f"{best['xla'] / best['kernel']:.2f}x |")
         if args.against:
@@ -176,15 +185,8 @@ def lm_head(args) -> int:
     nbytes = HIDDEN * VOCAB + (HIDDEN // 32) * VOCAB * 2
     for m in (int(r) for r in args.rows.split(",")):
         x = jnp.asarray(np.random.default_rng(m).standard_normal((m, HIDDEN)), jnp.float32)
-        best = dict.fromkeys(runs, float("inf"))
-        for fn, w in runs.values():
-            fn(x, w).block_until_ready()  # compile
-        for _ in range(args.rounds):
-            for name, (fn, w) in runs.items():
-                flush(flush_buffer).block_until_ready()
-                t0 = time.perf_counter()
-                fn(x, w).block_until_ready()
-                best[name] = min(best[name], time.perf_counter() - t0)
+        best = best_times(runs, x, args.rounds,
+                          before=lambda: flush(flush_buffer).block_until_ready())
         row = (f"| {m} | {best['kernel'] * 1e3:.2f} | {nbytes / best['kernel'] / 1e9:.1f} | "
                f"{best['xla'] * 1e3:.2f} | {best['xla'] / best['kernel']:.2f}x |")
         if args.against:
