@@ -246,17 +246,12 @@ class ModelRunner:
     def _compile_uncached(self, step_input: StepInput) -> jax.stages.Compiled:
         """This input's step compiled afresh (JAX's persistent cache not read), saved over its
         executable cache entry."""
-        flags = self.flags
-        buf, layout = step_input.pack()
-        args = self._step_args(jax.device_put(buf), np.int32(NO_LOGPROBS))
-        compiled = self._step.lower(*args, layout, flags).compile(_UNCACHED_COMPILE)
-        cache = self._executable_cache
-        if cache is not None:
-            cache.save(cache.step_key((layout, flags), args, self._cache_context), compiled)
-        return compiled
+        return self._prepare(step_input, from_caches=False)[0]
 
-    def _prepare(self, step_input: StepInput) -> tuple[jax.stages.Compiled, float]:
-        """(the Compiled step of this input's bucket, seconds); changes no state."""
+    def _prepare(self, step_input: StepInput,
+                 from_caches: bool = True) -> tuple[jax.stages.Compiled, float]:
+        """(the Compiled step of this input's bucket, seconds); changes no state but the
+        executable cache. `from_caches=False`: compiled, never loaded (from either cache)."""
         t0 = time.perf_counter()
         flags = self.flags
         buf, layout = step_input.pack()
@@ -265,9 +260,10 @@ class ModelRunner:
         if cache is not None:
             key = cache.step_key((layout, flags), args, self._cache_context)
             ops.register_cpu_kernels()  # the loaded step's custom calls need their handlers
-            compiled = cache.load(key, args)
+            compiled = cache.load(key, args) if from_caches else None
         if compiled is None:
-            compiled, how = self._step.lower(*args, layout, flags).compile(), "compiled"
+            options = None if from_caches else _UNCACHED_COMPILE
+            compiled, how = self._step.lower(*args, layout, flags).compile(options), "compiled"
             if cache is not None:
                 cache.save(key, compiled)
         dt = time.perf_counter() - t0
