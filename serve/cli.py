@@ -6,8 +6,9 @@ Engine settings come from EngineConfig's defaults, then a TOML preset (`--config
 EngineConfig at the top level or under [engine]), then the engine flags given on the command line.
 jaxinfer's serialized steps are cached by default (`~/.cache/jaxinfer/jax`,
 runtime/executable_cache.py), so a second start neither compiles nor traces them; JAX's own
-persistent cache stays off (`enable_compilation_cache`); a GGUF model's converted weights and tokenizer are cached too (`~/.cache/jaxinfer`, see
-jaxinfer/disk_cache.py; JAXINFER_NO_CACHE=1 turns those off). SIGTERM/SIGINT: admissions stop at once (503), requests in flight
+persistent cache stays off (`enable_compilation_cache`); a GGUF model's converted weights and
+tokenizer are cached too (`~/.cache/jaxinfer`, see jaxinfer/disk_cache.py; JAXINFER_NO_CACHE=1
+turns those off). SIGTERM/SIGINT: admissions stop at once (503), requests in flight
 finish (up to --shutdown-timeout seconds), then the process exits with status 0.
 
 It logs at INFO by default (serve/logs.py): the model, the KV pool, the warm-up's progress, one
