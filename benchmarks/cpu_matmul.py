@@ -16,6 +16,9 @@ row count above which the engine would rather keep a float copy of each weight. 
 the float kernel built from another version of `quant_matmul.cc` runs too, interleaved, after
 a check whether its product of one layer's matrix equals this version's bit for bit.
 
+--q8-against times another version of `quant_matmul_q8.cc` (the int8-activation kernel) beside
+this one (implies --int8-activations), after the same check of one layer's product.
+
 --lm-head times SmolLM2's LM head instead (int8 codes in groups of 32, f16 scales: the GGUF's
 Q8_0 [576, 49152], ~30 MB) and passes over a 64 MiB buffer before every timed call, so that the
 head comes from memory as it does in a step (where the layers' weights pass through the caches
@@ -113,9 +116,12 @@ def main(argv=None) -> int:
     ap.add_argument("--against", type=Path, help="another version of quant_matmul.cc")
     ap.add_argument("--int8-activations", action="store_true",
                     help="also the kernel with x rounded to int8 (integer dot products)")
+    ap.add_argument("--q8-against", type=Path,
+                    help="another version of quant_matmul_q8.cc (implies --int8-activations)")
     ap.add_argument("--lm-head", action="store_true",
                     help="the LM head (Q8_0 [576, 49152]) from memory instead of the 30 layers")
     args = ap.parse_args(argv)
+    args.int8_activations = args.int8_activations or args.q8_against is not None
     if args.lm_head:
         return lm_head(args)
     if not cpu_quant.available():
@@ -135,6 +141,10 @@ def main(argv=None) -> int:
     if args.int8_activations:
         runs["q8"] = (layers(lambda x, w: cpu_quant.quant_matmul(
             x, *w, bits=4, group_size=32, int8_activations=True)), quantized)
+    if args.q8_against:
+        q8_against = int4_matmul(build.load_variant(args.q8_against, "quant_matmul_q8",
+                                                    "JaxinferQuantMatmulQ8", "against"))
+        runs["q8_against"] = (layers(q8_against), quantized)
     print(f"SmolLM2-135M's 30 layers of weight matmuls, one jitted call ({jax.devices()[0]}, "
           f"{os.cpu_count()} cores; best of {args.rounds} rounds, interleaved)")
     head = "| rows | C++ kernel on int4 codes, ms | XLA dense f32, ms | dense / kernel |"
@@ -142,6 +152,9 @@ def main(argv=None) -> int:
         head += f" {args.against.name}, ms | {args.against.name} / kernel | bitwise equal |"
     if args.int8_activations:
         head += " int8 activations, ms | kernel / int8 activations |"
+    if args.q8_against:
+        head += (f" {args.q8_against.name}, ms | {args.q8_against.name} / int8 activations |"
+                 " bitwise equal |")
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
     for m in (int(r) for r in args.rows.split(",")):
@@ -157,6 +170,13 @@ def main(argv=None) -> int:
                     f" {same} |")
         if args.int8_activations:
             row += f" {best['q8'] * 1e3:.1f} | {best['kernel'] / best['q8']:.2f}x |"
+        if args.q8_against:
+            w = quantized[0][2]
+            same = bool(jnp.array_equal(jax.jit(q8_against)(x, w), jax.jit(
+                lambda x, w: cpu_quant.quant_matmul(x, *w, bits=4, group_size=32,
+                                                    int8_activations=True))(x, w)))
+            row += (f" {best['q8_against'] * 1e3:.1f} | {best['q8_against'] / best['q8']:.2f}x |"
+                    f" {same} |")
         print(row, flush=True)
     return 0
 
@@ -173,6 +193,13 @@ def lm_head(args) -> int:
         against = jax.jit(int8_matmul(
             build.load_variant(args.against, "quant_matmul", "JaxinferQuantMatmul", "against")))
         runs["against"] = (against, head)
+    if args.int8_activations:
+        runs["q8"] = (jax.jit(lambda x, w: cpu_quant.quant_matmul(
+            x, *w, None, bits=8, group_size=32, int8_activations=True)), head)
+    if args.q8_against:
+        q8_against = jax.jit(int8_matmul(build.load_variant(
+            args.q8_against, "quant_matmul_q8", "JaxinferQuantMatmulQ8", "against")))
+        runs["q8_against"] = (q8_against, head)
     flush_buffer = jnp.ones((64 << 20) // 4, jnp.float32)
     flush = jax.jit(lambda b: jnp.sum(b * 1.0001))
     print(f"SmolLM2-135M's LM head, int8 codes [576, 49152] ({jax.devices()[0]}, "
@@ -180,6 +207,11 @@ def lm_head(args) -> int:
     head_row = "| rows | C++ kernel on int8 codes, ms | GB/s | XLA dense f32, ms | dense / kernel |"
     if args.against:
         head_row += f" {args.against.name}, ms | {args.against.name} / kernel | bitwise equal |"
+    if args.int8_activations:
+        head_row += " int8 activations, ms | kernel / int8 activations |"
+    if args.q8_against:
+        head_row += (f" {args.q8_against.name}, ms | {args.q8_against.name} / int8 activations |"
+                     " bitwise equal |")
     print(head_row)
     print("|---" * (head_row.count("|") - 1) + "|")
     nbytes = HIDDEN * VOCAB + (HIDDEN // 32) * VOCAB * 2
@@ -192,6 +224,12 @@ def lm_head(args) -> int:
         if args.against:
             same = bool(jnp.array_equal(against(x, head), runs["kernel"][0](x, head)))
             row += (f" {best['against'] * 1e3:.2f} | {best['against'] / best['kernel']:.2f}x |"
+                    f" {same} |")
+        if args.int8_activations:
+            row += f" {best['q8'] * 1e3:.2f} | {best['kernel'] / best['q8']:.2f}x |"
+        if args.q8_against:
+            same = bool(jnp.array_equal(q8_against(x, head), runs["q8"][0](x, head)))
+            row += (f" {best['q8_against'] * 1e3:.2f} | {best['q8_against'] / best['q8']:.2f}x |"
                     f" {same} |")
         print(row, flush=True)
     return 0

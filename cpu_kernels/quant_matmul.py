@@ -31,6 +31,14 @@ def dense_faster_above_rows() -> int | None:
     return None if "avx512f" in flags and "avx512bw" in flags else 16
 
 
+def int8_activations_fast() -> bool:
+    """Whether the int8-activation kernel has this CPU's integer dot products (AVX-512 VNNI, which
+    -march=native enables where the CPU has it); elsewhere it takes a plain loop, slower than the
+    float kernel (the same numbers)."""
+    flags = build.cpu_flags().split()
+    return all(f in flags for f in ("avx512f", "avx512bw", "avx512_vnni"))
+
+
 def _validate(x, values, scales, mins, bits, group_size) -> None:
     if bits not in (4, 8):
         raise ValueError(f"{bits=} must be 4 or 8")

@@ -45,7 +45,7 @@ namespace {
 
 using jaxinfer::load_params;
 
-constexpr int64_t kCols = 64;  // output columns of a block (a work item takes up to kBlocks)
+constexpr int64_t kCols = 64;  // output columns of a block (a work item takes several)
 constexpr int64_t kRowPad = 16;  // AMX tile rows: xq's rows are padded to a multiple of this
 constexpr int64_t kAmxMinRows = 32;  // the fewest rows of x that go through AMX (see AmxRows)
 
@@ -151,7 +151,6 @@ void PlainColumns(const Problem& p, float* y, int64_t c0, int64_t c1) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 constexpr int kTileRows = 3;  // 3 rows x 8 int32 accumulators + broadcasts fit the 32 registers
-constexpr int64_t kPrefetchRows = 16;  // code rows ahead (they are N bytes apart)
 
 // 4 rows of 64 bytes (a, b, c, d: rows k .. k + 3 of 64 columns) -> 4 vectors of one dword a
 // column, bytes (a, b, c, d): out[v] lane 4 L + e holds column 16 L + 4 v + e (the byte
@@ -319,31 +318,73 @@ inline void AmxRows(const Problem& p, int64_t g, int64_t k0, const __m512i* w,
 #endif
 
 constexpr int64_t kPartK = 32;  // rows of K interleaved at a time (a group may have several)
-constexpr int kBlocks = 4;        // 64-column blocks of a work item: 256 contiguous bytes a row
+// 64-column blocks of a work item. Each item walks its code rows forward, so the wider it is,
+// the longer the run of memory each code row gives it (a few rows of x are bound by reading the
+// codes); its [M, width] f32 accumulators bound it from above, and the threads want items to
+// share. Columns are independent, so the width never changes a result.
+constexpr int64_t kMinItemBlocks = 4;      // 256 columns
+constexpr int64_t kMaxItemBlocks = 64;     // 4096 columns
+constexpr int64_t kItemAccFloats = 16384;  // 64 KB of accumulators
 
-// Parts of the int4 codes: packed rows [i0, i0 + 4 chunks) of the blocks of columns
-// c0 + 64 b (b < blocks), low nibbles (rows i of K) into lo, high ones (rows K/2 + i) into hi,
-// each block's chunks at lo + b * (kPartK / 4) * 4.
-inline void UnpackInt4(const Problem& p, int64_t c0, int blocks, int64_t i0, int64_t chunks,
-                       __m512i* lo, __m512i* hi) {
+// Blocks an item takes: the widest whose items the threads share most evenly (items of
+// `width` blocks and a last one of the rest, each to the least loaded thread, as the shared
+// counter hands them out).
+int64_t ItemBlocks(int64_t m, int64_t block_count, int64_t threads) {
+  const int64_t widest = std::clamp<int64_t>(kItemAccFloats / (kCols * std::max<int64_t>(1, m)),
+                                             kMinItemBlocks, kMaxItemBlocks);
+  threads = std::clamp<int64_t>(threads, 1, 64);
+  int64_t best = 1, best_load = block_count + 1;
+  for (int64_t width = 1; width <= std::min(widest, block_count); ++width) {
+    int64_t load[64] = {};
+    for (int64_t start = 0; start < block_count; start += width) {
+      int64_t* least = std::min_element(load, load + threads);
+      *least += std::min(width, block_count - start);
+    }
+    const int64_t most = *std::max_element(load, load + threads);
+    if (most <= best_load) best = width, best_load = most;
+  }
+  return best;
+}
+
+// What an item prefetches: the code rows it reads `kAheadBlocks` blocks of kPartK rows from
+// now (its blocks are read part by part, block by block), from `base` (those rows' first, at
+// that block's columns), `rows` of them before the last code row. A prefetch that far ahead in
+// the item's own order arrives in time and is not evicted before its use, however wide the item.
+constexpr int64_t kAheadBlocks = 2;
+
+struct Ahead {
+  const uint8_t* base = nullptr;  // nullptr: past the last code row
+  int64_t rows = 0;
+
+  Ahead(const Problem& p, int64_t c0, int blocks, int b, int64_t row0, int64_t code_rows) {
+    const int64_t next = b + kAheadBlocks, r = row0 + next / blocks * kPartK;
+    if (r >= code_rows) return;
+    base = static_cast<const uint8_t*>(p.values) + r * p.n + c0 + 64 * (next % blocks);
+    rows = code_rows - r;
+  }
+
+  void Fetch(int64_t i, int64_t n) const {  // the i-th code row from base
+    if (i < rows) _mm_prefetch(reinterpret_cast<const char*>(base + i * n), _MM_HINT_T0);
+  }
+};
+
+// One block's part of the int4 codes: packed rows [i0, i0 + 4 chunks) of columns [col, col + 64),
+// low nibbles (rows i of K) into lo, high ones (rows K/2 + i) into hi, prefetching `ahead`.
+inline void UnpackInt4(const Problem& p, int64_t col, int64_t i0, int64_t chunks, __m512i* lo,
+                       __m512i* hi, const Ahead& ahead) {
   const uint8_t* q = static_cast<const uint8_t*>(p.values);
-  const int64_t kh = p.k / 2;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t ch = 0; ch < chunks; ++ch) {
-    const int64_t i = i0 + 4 * ch;
-    for (int b = 0; b < blocks; ++b) {
-      const uint8_t* row = q + i * p.n + c0 + 64 * b;
-      __m512i l[4], h[4];
-      for (int t = 0; t < 4; ++t) {
-        if (i + t + kPrefetchRows < kh)
-          _mm_prefetch(reinterpret_cast<const char*>(row + (t + kPrefetchRows) * p.n), _MM_HINT_T0);
-        const __m512i v = _mm512_loadu_si512(row + t * p.n);
-        l[t] = _mm512_and_si512(v, low4);
-        h[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      }
-      Interleave4(l[0], l[1], l[2], l[3], lo + b * kPartK + 4 * ch);
-      Interleave4(h[0], h[1], h[2], h[3], hi + b * kPartK + 4 * ch);
+    const uint8_t* row = q + (i0 + 4 * ch) * p.n + col;
+    __m512i l[4], h[4];
+    for (int t = 0; t < 4; ++t) {
+      ahead.Fetch(4 * ch + t, p.n);
+      const __m512i v = _mm512_loadu_si512(row + t * p.n);
+      l[t] = _mm512_and_si512(v, low4);
+      h[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
+    Interleave4(l[0], l[1], l[2], l[3], lo + 4 * ch);
+    Interleave4(h[0], h[1], h[2], h[3], hi + 4 * ch);
   }
 }
 
@@ -358,7 +399,7 @@ void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
 #else
   constexpr bool amx = false;
 #endif
-  alignas(64) __m512i lo[kBlocks * kPartK], hi[kBlocks * kPartK];  // kPartK / 4 chunks x 4
+  alignas(64) __m512i lo[kPartK], hi[kPartK];  // one block's kPartK / 4 chunks x 4 vectors
   __m512 s_lo[4], s_hi[4], o_lo[4], o_hi[4];
   if (p.bits == 4) {
     const int64_t half_groups = (p.k / 2) / gs;
@@ -367,9 +408,9 @@ void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
       const int64_t g_hi = g + half_groups;
       for (int64_t i0 = g * gs; i0 < (g + 1) * gs; i0 += kPartK) {
         const int64_t chunks = (std::min((g + 1) * gs, i0 + kPartK) - i0) / 4;
-        UnpackInt4(p, c0, blocks, i0, chunks, lo, hi);
         for (int b = 0; b < blocks; ++b) {
           const int64_t col = c0 + 64 * b;
+          UnpackInt4(p, col, i0, chunks, lo, hi, Ahead(p, c0, blocks, b, i0, p.k / 2));
           LoadPermuted(p.scales, g * p.n + col, p.f16_params, s_lo);
           LoadPermuted(p.scales, g_hi * p.n + col, p.f16_params, s_hi);
           // the minimum term once per group, with the group's first part
@@ -385,17 +426,15 @@ void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
           }
 #ifdef JAXINFER_Q8_AMX
           if (amx) {
-            AmxRows<false>(p, g, i0, lo + b * kPartK, s_lo, first ? o_lo : nullptr, out + 64 * b,
+            AmxRows<false>(p, g, i0, lo, s_lo, first ? o_lo : nullptr, out + 64 * b, ow);
+            AmxRows<false>(p, g_hi, p.k / 2 + i0, hi, s_hi, first ? o_hi : nullptr, out + 64 * b,
                            ow);
-            AmxRows<false>(p, g_hi, p.k / 2 + i0, hi + b * kPartK, s_hi, first ? o_hi : nullptr,
-                           out + 64 * b, ow);
             continue;
           }
 #endif
-          Rows<false>(p, g, i0, chunks, lo + b * kPartK, nullptr, s_lo, first ? o_lo : nullptr,
+          Rows<false>(p, g, i0, chunks, lo, nullptr, s_lo, first ? o_lo : nullptr, out + 64 * b, ow);
+          Rows<false>(p, g_hi, p.k / 2 + i0, chunks, hi, nullptr, s_hi, first ? o_hi : nullptr,
                       out + 64 * b, ow);
-          Rows<false>(p, g_hi, p.k / 2 + i0, chunks, hi + b * kPartK, nullptr, s_hi,
-                      first ? o_hi : nullptr, out + 64 * b, ow);
         }
       }
     }
@@ -410,23 +449,21 @@ void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
     const int64_t g_end = std::min(p.k, (g + 1) * gs);
     for (int64_t k0 = g * gs; k0 < g_end; k0 += kPartK) {
       const int64_t chunks = (std::min(g_end, k0 + kPartK) - k0) / 4;
-      for (int64_t ch = 0; ch < chunks; ++ch) {
-        for (int b = 0; b < blocks; ++b) {
+      for (int b = 0; b < blocks; ++b) {
+        const Ahead ahead(p, c0, blocks, b, k0, p.k);
+        for (int64_t ch = 0; ch < chunks; ++ch) {
           const int8_t* row = q + (k0 + 4 * ch) * p.n + c0 + 64 * b;
           __m512i r[4];
           for (int t = 0; t < 4; ++t) {
-            if (k0 + 4 * ch + t + kPrefetchRows < p.k)
-              _mm_prefetch(reinterpret_cast<const char*>(row + (t + kPrefetchRows) * p.n), _MM_HINT_T0);
+            ahead.Fetch(4 * ch + t, p.n);
             r[t] = _mm512_loadu_si512(row + t * p.n);
           }
-          Interleave4(r[0], r[1], r[2], r[3], lo + b * kPartK + 4 * ch);
+          Interleave4(r[0], r[1], r[2], r[3], lo + 4 * ch);
         }
-      }
-      for (int b = 0; b < blocks; ++b) {
 #ifdef JAXINFER_Q8_AMX
         if (amx) {  // signed x times signed codes: no correction
           LoadPermuted(p.scales, g * p.n + c0 + 64 * b, p.f16_params, s_lo);
-          AmxRows<true>(p, g, k0, lo + b * kPartK, s_lo, nullptr, out + 64 * b, ow);
+          AmxRows<true>(p, g, k0, lo, s_lo, nullptr, out + 64 * b, ow);
           continue;
         }
 #endif
@@ -434,10 +471,10 @@ void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
         for (int v = 0; v < 4; ++v) {
           corr[v] = _mm512_setzero_si512();
           for (int64_t ch = 0; ch < chunks; ++ch)
-            corr[v] = _mm512_dpbusd_epi32(corr[v], bias, lo[b * kPartK + 4 * ch + v]);
+            corr[v] = _mm512_dpbusd_epi32(corr[v], bias, lo[4 * ch + v]);
         }
         LoadPermuted(p.scales, g * p.n + c0 + 64 * b, p.f16_params, s_lo);
-        Rows<true>(p, g, k0, chunks, lo + b * kPartK, corr, s_lo, nullptr, out + 64 * b, ow);
+        Rows<true>(p, g, k0, chunks, lo, corr, s_lo, nullptr, out + 64 * b, ow);
       }
     }
   }
@@ -498,12 +535,13 @@ ffi::Error QuantMatmulQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   float* out = y->typed_data();
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
   const int64_t block_count = p.n / kCols;
-  jaxinfer::ParallelFor(pool, (block_count + kBlocks - 1) / kBlocks, p.m * p.k * p.n / 4,
+  const int64_t per_item = ItemBlocks(p.m, block_count, pool.num_threads());
+  jaxinfer::ParallelFor(pool, (block_count + per_item - 1) / per_item, p.m * p.k * p.n / 4,
                         [&](int64_t i) {
-    const int blocks = static_cast<int>(std::min<int64_t>(kBlocks, block_count - i * kBlocks));
+    const int blocks = static_cast<int>(std::min(per_item, block_count - i * per_item));
     std::vector<float> acc(p.m * kCols * blocks, 0.0f);
-    VnniColumns(p, i * kBlocks * kCols, blocks, acc.data());
-    StoreColumns(p, acc.data(), blocks, out, i * kBlocks * kCols);
+    VnniColumns(p, i * per_item * kCols, blocks, acc.data());
+    StoreColumns(p, acc.data(), blocks, out, i * per_item * kCols);
   });
   return ffi::Error::Success();
 #endif

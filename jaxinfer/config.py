@@ -246,8 +246,10 @@ class EngineConfig:
     quantize_lm_head: bool = False
     # CPU kernels: multiply the quantized weights by x rounded to int8 per group of K (integer
     # dot products, as llama.cpp does): a few rows cost little more than one, at a small cost in
-    # quality (docs/performance.md has the perplexity); off: x stays float32
-    int8_activations: bool = False
+    # quality (docs/quantization.md has the perplexity). off: x stays float32; on: an error
+    # where it cannot apply (float weights, another backend); auto: on where quantized weights
+    # run on the CPU kernels of a CPU with AVX-512 VNNI, off elsewhere. True / False: on / off.
+    int8_activations: Literal["off", "on", "auto"] = "off"
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights of the model's shapes
     seed: int = 0  # seeds of requests that bring none
     # Speculative decoding (jaxinfer/runtime/spec_decode.py; the policy in jaxinfer/sched/spec_policy.py)
@@ -273,6 +275,8 @@ class EngineConfig:
     process_id: int | None = None  # this process, 0 leads (default: JAXINFER_PROCESS_ID, 0)
 
     def __post_init__(self):
+        if isinstance(self.int8_activations, bool):
+            object.__setattr__(self, "int8_activations", "on" if self.int8_activations else "off")
         _check_choices(self)
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a positive power of two")

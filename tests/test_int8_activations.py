@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from cpu_kernels.quant_matmul import quant_matmul_q8_reference
-from jaxinfer import LLM, SamplingParams, quant
+from jaxinfer import LLM, SamplingParams, ops, quant
 from jaxinfer.config import EngineConfig
 from jaxinfer.models.loader import load_model
 from jaxinfer.models.layers import QuantizedEmbed, QuantizedLinear
@@ -74,6 +74,46 @@ def test_int8_activations_are_refused_where_they_cannot_apply(wide_llama_dir):
         LLM(wide_llama_dir, **{**KW, "quantization": "none"}, int8_activations=True)
     with pytest.raises(ValueError, match="CPU kernels only"):
         LLM(wide_llama_dir, **KW, int8_activations=True, attention_backend="xla")
+
+
+def test_auto_turns_them_on_where_they_apply_and_leaves_a_float_model_float(wide_llama_dir,
+                                                                             monkeypatch):
+    def int8_flags(**kw):
+        _, model = load_model(wide_llama_dir, EngineConfig(**{**KW, **kw}, int8_activations="auto"))
+        return [m.int8_activations for _, m in nnx.iter_modules(model)
+                if isinstance(m, (QuantizedLinear, QuantizedEmbed))]
+
+    monkeypatch.setattr(ops, "cpu_int8_activations_fast", lambda: True)
+    assert int8_flags() == [True] * 4
+    assert int8_flags(quantization="none") == []  # no quantized weights: float, and no error
+    assert int8_flags(attention_backend="xla") == [False] * 4  # not the CPU kernels: off
+    monkeypatch.setattr(ops, "cpu_int8_activations_fast", lambda: False)
+    assert int8_flags() == [False] * 4  # no integer dot products on this CPU: off
+
+
+def test_the_cpu_checks_its_flags_for_integer_dot_products(monkeypatch):
+    from cpu_kernels import build, quant_matmul
+
+    monkeypatch.setattr(build, "cpu_flags", lambda: "fpu avx2 avx512f avx512bw avx512_vnni")
+    assert quant_matmul.int8_activations_fast()
+    monkeypatch.setattr(build, "cpu_flags", lambda: "fpu avx2 avx512f avx512bw avx_vnni")
+    assert not quant_matmul.int8_activations_fast()
+
+
+def test_the_setting_takes_true_and_false_for_on_and_off_and_nothing_else():
+    assert EngineConfig(int8_activations=True).int8_activations == "on"
+    assert EngineConfig(int8_activations=False).int8_activations == "off"
+    assert EngineConfig().int8_activations == "off"
+    with pytest.raises(ValueError, match="int8_activations='yes' must be one of"):
+        EngineConfig(int8_activations="yes")
+
+
+def test_the_cpu_preset_uses_them_where_they_apply():
+    import tomllib
+    from pathlib import Path
+
+    preset = tomllib.loads((Path(__file__).parents[1] / "configs" / "cpu.toml").read_text())
+    assert EngineConfig(**preset["engine"]).int8_activations == "auto"
 
 
 def test_a_norm_row_is_the_same_bit_for_bit_at_any_row_count():

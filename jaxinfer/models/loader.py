@@ -156,18 +156,35 @@ def load_model(path_or_name: str | os.PathLike,
     """(ModelConfig, model) with params in engine_config.dtype (float32 by default)."""
     engine_config = engine_config or EngineConfig()
     config, model = _load_model(path_or_name, engine_config)
-    if engine_config.int8_activations:
-        backend = ops.resolve_backend(engine_config.attention_backend)
-        if backend != "cpu":
-            raise ValueError("int8_activations runs on the CPU kernels only; attention_backend="
-                             f"{engine_config.attention_backend!r} resolves to {backend!r}")
-        if not any(isinstance(m, (QuantizedLinear, QuantizedEmbed))
-                   for _, m in nnx.iter_modules(model)):
-            raise ValueError("int8_activations needs quantized weights (quantization='auto' with "
-                             f"a GGUF file, 'int8' or 'int4'); {path_or_name} was loaded with "
-                             f"quantization={engine_config.quantization!r} and has none")
-        set_quantized_matmul_backend(model, backend, int8_activations=True)
+    if use_int8_activations(engine_config, model, path_or_name):
+        set_quantized_matmul_backend(model, ops.resolve_backend(engine_config.attention_backend),
+                                     int8_activations=True)
     return config, model
+
+
+def use_int8_activations(engine_config: EngineConfig, model: nnx.Module, name) -> bool:
+    """Whether `model`'s quantized layers take x rounded to int8 (EngineConfig.int8_activations):
+    "auto" where the CPU kernels run quantized weights on a CPU with integer dot products
+    (AVX-512 VNNI; elsewhere they would be slower); "on" on any CPU, and ValueError where it
+    cannot apply (another backend, or no quantized weights: `name` says which model)."""
+    mode = engine_config.int8_activations
+    if mode == "off":
+        return False
+    backend = ops.resolve_backend(engine_config.attention_backend)
+    quantized = any(isinstance(m, (QuantizedLinear, QuantizedEmbed))
+                    for _, m in nnx.iter_modules(model))
+    if mode == "auto":
+        return backend == "cpu" and quantized and ops.cpu_int8_activations_fast()
+    if backend != "cpu":
+        raise ValueError("int8_activations runs on the CPU kernels only; attention_backend="
+                         f"{engine_config.attention_backend!r} resolves to {backend!r} "
+                         "(int8_activations='auto' leaves them off there)")
+    if not quantized:
+        raise ValueError("int8_activations needs quantized weights (quantization='auto' with "
+                         f"a GGUF file, 'int8' or 'int4'); {name} was loaded with "
+                         f"quantization={engine_config.quantization!r} and has none "
+                         "(int8_activations='auto' leaves a float model float)")
+    return True
 
 
 def _load_model(path_or_name, engine_config: EngineConfig) -> tuple[ModelConfig, LlamaForCausalLM]:

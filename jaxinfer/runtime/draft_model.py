@@ -27,7 +27,6 @@ from flax import nnx
 
 from jaxinfer import ops
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.models.layers import set_quantized_matmul_backend
 from jaxinfer.models.loader import load_model, model_source
 from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache, allocate_kv_cache
 from jaxinfer.runtime.sampler import (GREEDY_EPS, SamplingMetadata, categorical, gather_rows,
@@ -151,11 +150,9 @@ def load_draft_model(engine_config: EngineConfig, target_config: ModelConfig, ta
     # proposals need not match anything, the target's verification decides)
     draft_ec = dataclasses.replace(engine_config, quantization=engine_config.draft_quantization or "auto",
                                    speculative_method=None, draft_model=None,
-                                   int8_activations=False)
+                                   int8_activations="off" if engine_config.int8_activations == "off"
+                                   else "auto")
     config, module = load_model(path, draft_ec)
-    if engine_config.int8_activations:
-        set_quantized_matmul_backend(module, ops.resolve_backend(engine_config.attention_backend),
-                                     int8_activations=True)
     draft_vocab = None
     if engine_config.load_format != "dummy" and target_vocab is not None:
         source = model_source(path)

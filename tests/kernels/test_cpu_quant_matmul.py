@@ -148,7 +148,8 @@ def _q8(qw, x):
         x, qw.values, qw.scales, qw.mins)
 
 
-# N = 320: a work item of 4 blocks of 64 columns and one of 1; 5 rows: vpdpbusd tiles of 3 and 2;
+# N = 320: 5 blocks of 64 columns, in work items of several blocks (on 2 threads 3 and 2); 5 rows:
+# vpdpbusd tiles of 3 and 2;
 # 70 rows: AMX tiles of 16 and a padded one of 6 (where the CPU has AMX; else tiles of 3 and 1)
 @pytest.mark.parametrize("m", [1, 5, 70])
 @pytest.mark.parametrize("kind", list(_kinds()))
