@@ -122,6 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--quantization", default="auto", help="EngineConfig.quantization")
     ap.add_argument("--kv-cache-dtype", default=None, help="EngineConfig.kv_cache_dtype")
+    ap.add_argument("--int8-activations", default="off", choices=["off", "on", "auto"],
+                    help="EngineConfig.int8_activations")
     ap.add_argument("--shapes", default="1x32,1x512,16x32,16x512,64x32,64x512")
     ap.add_argument("--prefill", type=int, default=512, help="0: no prefill row")
     ap.add_argument("--steps", type=int, default=5)
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
     kwargs = dict(max_num_seqs=max([s for s, _ in shapes] + [1]),
                   max_num_batched_tokens=max(512, args.prefill), max_model_len=2048,
                   attention_backend=args.attention_backend, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype,
+                  kv_cache_dtype=args.kv_cache_dtype, int8_activations=args.int8_activations,
                   enable_prefix_caching=False)
     if args.dummy:
         kwargs.update(load_format="dummy", tokenizer=args.model)
@@ -148,7 +150,8 @@ def main(argv=None) -> int:
                            SamplingParams(max_tokens=1))
         rows.append((f"prefill {args.prefill} tokens", args.prefill, *profile_steps(engine, 1)))
         clear(engine)
-    print(f"\nStep profile: {args.model}, weights {args.quantization}, KV cache "
+    print(f"\nStep profile: {args.model}, weights {args.quantization}, int8 activations "
+          f"{args.int8_activations}, KV cache "
           f"{args.kv_cache_dtype or 'float32'}, attention backend "
           f"{engine.runner.attention_backend}, "
           f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores")

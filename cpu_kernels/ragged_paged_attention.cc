@@ -377,7 +377,9 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
       }
     }
     // The next block's pages, fetched while this one is computed (one line of each K and V
-    // block per step of d: a page's blocks are 32 lines in halves, 64 in f32).
+    // block per step of d: a page's blocks are 32 lines in halves, 64 in f32), into L2: the
+    // lines are read a block later, and L2 takes more misses at once than L1 (30 layers over
+    // 16 x 512 tokens, f16: 9.5 -> 9.1 ms).
     const char* next[2 * kPages];
     int num_next = 0;
     for (int j = 0; j < kPages; ++j) {
@@ -405,7 +407,7 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
       for (int j = 0; j < kPages; ++j) s[g][j] = _mm512_setzero_ps();
     for (int d = 0; d < D; ++d) {
       if (d * 64 < block_bytes)
-        for (int j = 0; j < num_next; ++j) _mm_prefetch(next[j] + d * 64, _MM_HINT_T0);
+        for (int j = 0; j < num_next; ++j) _mm_prefetch(next[j] + d * 64, _MM_HINT_T1);
       __m512 kv[kPages];
       for (int j = 0; j < kPages; ++j) kv[j] = Load16<KIND>(kp[j] + d * PS * kEsize);
       for (int g = 0; g < G; ++g) {
