@@ -16,9 +16,10 @@
 // int32 lanes, four times the multiply-adds of an f32 FMA, so a few rows of x (a speculative
 // verification, a small batch) cost little more than one. The codes of 4 consecutive rows of K
 // are interleaved so each int32 lane holds one column's 4 codes (byte unpacks of the 64-column
-// rows), once per 32 rows of K and 256 columns (a work item) into a buffer in L1; every row of x
-// then runs over that buffer in tiles of up to 3 rows, a broadcast of its 4 int8 values against
-// each vector. Without VNNI a plain C++ loop computes the same sums.
+// rows), once per 32 rows of K and 64 columns into a buffer in L1; every row of x then runs over
+// that buffer in tiles of up to 3 rows, a broadcast of its 4 int8 values against each vector.
+// A work item is a range of columns (ItemBlocks), its code rows read forward part by part.
+// Without VNNI a plain C++ loop computes the same sums.
 
 #include <algorithm>
 #include <cmath>
