@@ -1,7 +1,7 @@
 """The CPU attention kernel on decode steps: 30 layers of SmolLM2-135M's attention in one call.
 
     JAX_PLATFORMS=cpu python benchmarks/cpu_attention.py                   # 16 x 512, f16 and f32
-    JAX_PLATFORMS=cpu python benchmarks/cpu_attention.py --shapes 16x512,64x512 --dtypes float16
+    JAX_PLATFORMS=cpu python benchmarks/cpu_attention.py --shapes 16x512,64x512 --dtypes int8
     git show REV:cpu_kernels/ragged_paged_attention.cc > /tmp/old.cc
     JAX_PLATFORMS=cpu python benchmarks/cpu_attention.py --against /tmp/old.cc
 
@@ -36,11 +36,10 @@ SYMBOL = "JaxinferRaggedPagedAttention"
 
 def layers_fn(target: str):
     """30 layers' decode attention in one jitted call, layer l's output the queries of l + 1."""
-    def run(q, k, v, kv_lens, page_indices, cu_q_lens, num_seqs):
-        dummy = jnp.zeros((1,), jnp.float32)
+    def run(q, k, v, k_scale, v_scale, kv_lens, page_indices, cu_q_lens, num_seqs):
         call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
         for layer in range(LAYERS):
-            q = call(q, k, v, dummy, dummy, jnp.full((1,), layer, jnp.int32), kv_lens,
+            q = call(q, k, v, k_scale, v_scale, jnp.full((1,), layer, jnp.int32), kv_lens,
                      page_indices, cu_q_lens, num_seqs, sm_scale=np.float32(D ** -0.5),
                      sliding_window=np.int64(0), soft_cap=np.float32(0.0)) + 0.01
         return q
@@ -50,14 +49,23 @@ def layers_fn(target: str):
 def decode_batch(seqs: int, context: int, dtype, rng):
     pages = -(-context // PS)
     num_pages = 1 + seqs * pages
-    k = rng.standard_normal((LAYERS, num_pages, HKV, D, PS), np.float32).astype(dtype)
-    v = rng.standard_normal((LAYERS, num_pages, HKV, PS, D), np.float32).astype(dtype)
+    if dtype == np.int8:  # codes and one f32 scale per (layer, page, KV head, slot)
+        k = rng.integers(-127, 128, (LAYERS, num_pages, HKV, D, PS), dtype=np.int8)
+        v = rng.integers(-127, 128, (LAYERS, num_pages, HKV, PS, D), dtype=np.int8)
+        k_scale, v_scale = (rng.random((LAYERS, num_pages, HKV, PS), np.float32) / 127
+                            for _ in range(2))
+    else:
+        k = rng.standard_normal((LAYERS, num_pages, HKV, D, PS), np.float32).astype(dtype)
+        v = rng.standard_normal((LAYERS, num_pages, HKV, PS, D), np.float32).astype(dtype)
+        k_scale = v_scale = np.zeros((1,), np.float32)
     page_indices = rng.permutation(np.arange(1, num_pages)).reshape(seqs, pages).astype(np.int32)
     kv_lens = np.full(seqs, context, np.int32)
     cu_q_lens = np.arange(seqs + 1, dtype=np.int32)
     q = rng.standard_normal((seqs, HQ, D)).astype(np.float32)
-    nbytes = 2 * LAYERS * seqs * context * HKV * D * np.dtype(dtype).itemsize
-    arrays = (q, k, v, kv_lens, page_indices, cu_q_lens, np.array([seqs], np.int32))
+    nbytes = 2 * LAYERS * seqs * context * HKV * (D * np.dtype(dtype).itemsize
+                                                  + (4 if dtype == np.int8 else 0))
+    arrays = (q, k, v, k_scale, v_scale, kv_lens, page_indices, cu_q_lens,
+              np.array([seqs], np.int32))
     return tuple(jnp.asarray(a) for a in arrays), nbytes
 
 

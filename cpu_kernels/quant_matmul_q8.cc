@@ -433,7 +433,8 @@ void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
             continue;
           }
 #endif
-          Rows<false>(p, g, i0, chunks, lo, nullptr, s_lo, first ? o_lo : nullptr, out + 64 * b, ow);
+          Rows<false>(p, g, i0, chunks, lo, nullptr, s_lo, first ? o_lo : nullptr, out + 64 * b,
+                      ow);
           Rows<false>(p, g_hi, p.k / 2 + i0, chunks, hi, nullptr, s_hi, first ? o_hi : nullptr,
                       out + 64 * b, ow);
         }

@@ -14,9 +14,10 @@
 // D vector FMAs across the page's keys, and the values are accumulated D-wide. Nothing is
 // gathered into a copy of the context, and a decode row costs what its own context costs,
 // however long the other sequences in the step are.
-// Decode items of the common shapes (page size 16, head_dim 64, GQA group <= 4) take a faster
-// path, DecodeItem: 4 pages per online-softmax update, the accumulators in AVX-512 registers,
-// the next pages prefetched. Where it applies, every new token is an item of its own, prefill
+// Decode items of the common shapes (page size 16, head_dim 64, GQA group <= 4; any cache
+// dtype, an int8 page's values times their slots' scales as they are read) take a faster path,
+// DecodeItem: 4 pages per online-softmax update, the accumulators in AVX-512 registers, the next
+// pages prefetched. Where it applies, every new token is an item of its own, prefill
 // chunks and verifications included: a token's row is then computed the same way, bit for bit,
 // whatever chunk or step it comes in (speculation and chunking cannot change greedy output, even
 // where a last-bit difference would be amplified: int8 activations round x), and it is faster
@@ -305,11 +306,14 @@ inline __m512 Tanh512(__m512 x) {  // tanh_approx on 16 lanes
   return _mm512_mask_sub_ps(t, neg, _mm512_setzero_ps(), t);
 }
 
-// 16 cache values as f32: KIND 0 float32, 1 float16, 2 bfloat16.
+// 16 cache values as f32: KIND 0 float32, 1 float16, 2 bfloat16, 3 int8 (its scale not applied).
 template <int KIND>
 inline __m512 Load16(const void* src) {
   if constexpr (KIND == 0) {
     return _mm512_loadu_ps(src);
+  } else if constexpr (KIND == 3) {
+    const __m128i bytes = _mm_loadu_si128(static_cast<const __m128i*>(src));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
   } else if constexpr (KIND == 1) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(src)));
   } else {
@@ -323,7 +327,8 @@ alignas(64) const float kZeroPage[16 * 64] = {};  // stands in for pages past th
 template <int G, int KIND>
 void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
   constexpr int PS = 16, D = 64, C = D / 16, kPages = 4;
-  constexpr int64_t kEsize = KIND == 0 ? 4 : 2;
+  constexpr int64_t kEsize = KIND == 0 ? 4 : KIND == 3 ? 1 : 2;
+  constexpr bool kScaled = KIND == 3;  // int8: each slot's value times its f32 scale
   const int32_t q_start = p.cu_q_lens[w.seq];
   const int32_t q_len = p.cu_q_lens[w.seq + 1] - q_start;
   const int64_t pos = p.kv_lens[w.seq] - q_len + w.first_token;  // the token's position
@@ -349,17 +354,21 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
   const int64_t layer_block = p.layer * p.k.num_pages;
   const int32_t* pages = p.page_indices + static_cast<int64_t>(w.seq) * p.pages_per_seq;
   alignas(64) char vtail[PS * D * 4];  // the last page's V, zeros past the context
+  alignas(64) float vscale_tail[PS];  // int8: its scales, zeros past the context
   alignas(64) float probs[G][kPages * PS];
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t pg0 = k_lo / PS; pg0 * PS < k_hi; pg0 += kPages) {
     const char* kp[kPages];
     const char* vp[kPages];
+    const float* ks[kPages];  // int8: the pages' K and V scales (f32[PS] each)
+    const float* vs[kPages];
     __mmask16 mask[kPages];
     int used = 0;
     for (int j = 0; j < kPages; ++j) {
       const int64_t t0 = (pg0 + j) * PS;
       if (t0 >= k_hi) {
         kp[j] = vp[j] = reinterpret_cast<const char*>(kZeroPage);
+        ks[j] = vs[j] = kZeroPage;
         mask[j] = 0;
         continue;
       }
@@ -367,6 +376,10 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
       const int64_t block = (layer_block + pages[pg0 + j]) * p.k.num_kv_heads + w.head;
       kp[j] = kbase + block * block_bytes;
       vp[j] = vbase + block * block_bytes;
+      if constexpr (kScaled) {
+        ks[j] = p.k.scale + block * PS;
+        vs[j] = p.v.scale + block * PS;
+      }
       const int lo = static_cast<int>(std::max<int64_t>(0, k_lo - t0));
       const int hi = static_cast<int>(std::min<int64_t>(PS, k_hi - t0));
       mask[j] = static_cast<__mmask16>(((1u << hi) - 1) & ~((1u << lo) - 1));
@@ -374,6 +387,11 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
         std::memcpy(vtail, vp[j], hi * D * kEsize);
         std::memset(vtail + hi * D * kEsize, 0, (PS - hi) * D * kEsize);
         vp[j] = vtail;
+        if constexpr (kScaled) {  // a slot past the context may hold any scale (NaN too)
+          std::memcpy(vscale_tail, vs[j], hi * sizeof(float));
+          std::fill(vscale_tail + hi, vscale_tail + PS, 0.0f);
+          vs[j] = vscale_tail;
+        }
       }
     }
     // The next block's pages, fetched while this one is computed (one line of each K and V
@@ -405,11 +423,17 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
     __m512 s[G][kPages];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < kPages; ++j) s[g][j] = _mm512_setzero_ps();
+    __m512 kscale[kPages];
+    if constexpr (kScaled)
+      for (int j = 0; j < kPages; ++j) kscale[j] = _mm512_loadu_ps(ks[j]);
     for (int d = 0; d < D; ++d) {
       if (d * 64 < block_bytes)
         for (int j = 0; j < num_next; ++j) _mm_prefetch(next[j] + d * 64, _MM_HINT_T1);
       __m512 kv[kPages];
-      for (int j = 0; j < kPages; ++j) kv[j] = Load16<KIND>(kp[j] + d * PS * kEsize);
+      for (int j = 0; j < kPages; ++j) {
+        kv[j] = Load16<KIND>(kp[j] + d * PS * kEsize);
+        if constexpr (kScaled) kv[j] = _mm512_mul_ps(kv[j], kscale[j]);  // as head_page does
+      }
       for (int g = 0; g < G; ++g) {
         const __m512 qd = _mm512_set1_ps(q[g][d]);
         for (int j = 0; j < kPages; ++j) s[g][j] = _mm512_fmadd_ps(qd, kv[j], s[g][j]);
@@ -446,6 +470,10 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
         const char* vrow = vp[j] + t * D * kEsize;
         __m512 v[C];
         for (int c = 0; c < C; ++c) v[c] = Load16<KIND>(vrow + c * 16 * kEsize);
+        if constexpr (kScaled) {
+          const __m512 sc = _mm512_set1_ps(vs[j][t]);
+          for (int c = 0; c < C; ++c) v[c] = _mm512_mul_ps(v[c], sc);
+        }
         for (int g = 0; g < G; ++g) {
           const __m512 e = _mm512_set1_ps(probs[g][j * PS + t]);
           for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(e, v[c], acc[g][c]);
@@ -470,12 +498,17 @@ DecodeFn ChooseDecode(const Problem& p) {
     case ffi::DataType::F32: kind = 0; break;
     case ffi::DataType::F16: kind = 1; break;
     case ffi::DataType::BF16: kind = 2; break;
+    case ffi::DataType::S8:
+      if (p.k.scale == nullptr || p.v.scale == nullptr) return nullptr;
+      kind = 3;
+      break;
     default: return nullptr;
   }
 #define JAXINFER_CASE(G)                                    \
   if (p.group == G) {                                       \
     if (kind == 0) return &DecodeItem<G, 0>;                \
     if (kind == 1) return &DecodeItem<G, 1>;                \
+    if (kind == 3) return &DecodeItem<G, 3>;                \
     return &DecodeItem<G, 2>;                               \
   }
   JAXINFER_CASE(1) JAXINFER_CASE(2) JAXINFER_CASE(3) JAXINFER_CASE(4)
