@@ -156,13 +156,13 @@ def load_model(path_or_name: str | os.PathLike,
     """(ModelConfig, model) with params in engine_config.dtype (float32 by default)."""
     engine_config = engine_config or EngineConfig()
     config, model = _load_model(path_or_name, engine_config)
-    if use_int8_activations(engine_config, model, path_or_name):
+    if _use_int8_activations(engine_config, model, path_or_name):
         set_quantized_matmul_backend(model, ops.resolve_backend(engine_config.attention_backend),
                                      int8_activations=True)
     return config, model
 
 
-def use_int8_activations(engine_config: EngineConfig, model: nnx.Module, name) -> bool:
+def _use_int8_activations(engine_config: EngineConfig, model: nnx.Module, name) -> bool:
     """Whether `model`'s quantized layers take x rounded to int8 (EngineConfig.int8_activations):
     "auto" where the CPU kernels run quantized weights on a CPU with integer dot products
     (AVX-512 VNNI; elsewhere they would be slower); "on" on any CPU, and ValueError where it
