@@ -11,7 +11,7 @@ feeding the next so XLA cannot overlap them: once through the C++ kernel on Q4_1
 (4-bit, groups of 32, f16 scales and minimums: the default model's format, ~60 MB), once through
 `jnp.dot` on float32 weights of the same shapes (~425 MB). The two run interleaved, round after
 round, and the best round of each is kept, so load from other users of a shared machine hits
-both alike. This is where `cpu_kernels.quant_matmul.dense_faster_above_rows` comes from: the
+both alike; a pass over 64 MiB before every timed call makes each take its weights from memory. This is where `cpu_kernels.quant_matmul.dense_faster_above_rows` comes from: the
 row count above which the engine would rather keep a float copy of each weight. With --against,
 the float kernel built from another version of `quant_matmul.cc` runs too, interleaved, after
 a check whether its product of one layer's matrix equals this version's bit for bit.
@@ -83,18 +83,33 @@ def lm_head_codes(rng):
 
 def best_times(runs: dict, x, rounds: int, before=None) -> dict[str, float]:
     """{name: best seconds} of `runs` ({name: (fn, weights)}) on x, interleaved round by round
-    after a first call each (the compile); `before()` runs untimed before every timed call."""
+    after a first call each (the compile); `before()` runs untimed before every timed call. Each
+    round starts one run later than the round before, so no run always follows the same one
+    (a kernel timed right after XLA's dense product came out ~10% slower than the same kernel
+    timed after another)."""
     best = dict.fromkeys(runs, float("inf"))
     for fn, w in runs.values():
         fn(x, w).block_until_ready()
-    for _ in range(rounds):
-        for name, (fn, w) in runs.items():
+    names = list(runs)
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn, w = runs[name]
             if before is not None:
                 before()
             t0 = time.perf_counter()
             fn(x, w).block_until_ready()
             best[name] = min(best[name], time.perf_counter() - t0)
     return best
+
+
+def cache_flush():
+    """A call that passes over 64 MiB, so the next one's weights come from memory (as in a step,
+    where other matrices pass through the caches in between), not from what the run before it
+    left in a last-level cache: two kernels timed one after the other on the same weights would
+    otherwise favour the second."""
+    buffer = jnp.ones((64 << 20) // 4, jnp.float32)
+    total = jax.jit(lambda b: jnp.sum(b * 1.0001))
+    return lambda: total(buffer).block_until_ready()
 
 
 def layers(matmul):
@@ -145,8 +160,9 @@ def main(argv=None) -> int:
         q8_against = int4_matmul(build.load_variant(args.q8_against, "quant_matmul_q8",
                                                     "JaxinferQuantMatmulQ8", "against"))
         runs["q8_against"] = (layers(q8_against), quantized)
+    flush = cache_flush()
     print(f"SmolLM2-135M's 30 layers of weight matmuls, one jitted call ({jax.devices()[0]}, "
-          f"{os.cpu_count()} cores; best of {args.rounds} rounds, interleaved)")
+          f"{os.cpu_count()} cores; best of {args.rounds} rounds, interleaved, caches flushed)")
     head = "| rows | C++ kernel on int4 codes, ms | XLA dense f32, ms | dense / kernel |"
     if args.against:
         head += f" {args.against.name}, ms | {args.against.name} / kernel | bitwise equal |"
@@ -159,7 +175,7 @@ def main(argv=None) -> int:
     print("|---" * (head.count("|") - 1) + "|")
     for m in (int(r) for r in args.rows.split(",")):
         x = jnp.asarray(np.random.default_rng(m).standard_normal((m, HIDDEN)) * 0.01, jnp.float32)
-        best = best_times(runs, x, args.rounds)
+        best = best_times(runs, x, args.rounds, before=flush)
         row = (f"| {m} | {best['kernel'] * 1e3:.1f} | {best['xla'] * 1e3:.1f} | "
                f"{best['xla'] / best['kernel']:.2f}x |")
         if args.against:
@@ -200,8 +216,7 @@ def lm_head(args) -> int:
         q8_against = jax.jit(int8_matmul(build.load_variant(
             args.q8_against, "quant_matmul_q8", "JaxinferQuantMatmulQ8", "against")))
         runs["q8_against"] = (q8_against, head)
-    flush_buffer = jnp.ones((64 << 20) // 4, jnp.float32)
-    flush = jax.jit(lambda b: jnp.sum(b * 1.0001))
+    flush = cache_flush()
     print(f"SmolLM2-135M's LM head, int8 codes [576, 49152] ({jax.devices()[0]}, "
           f"{os.cpu_count()} cores; best of {args.rounds} rounds, interleaved, caches flushed)")
     head_row = "| rows | C++ kernel on int8 codes, ms | GB/s | XLA dense f32, ms | dense / kernel |"
@@ -217,8 +232,7 @@ def lm_head(args) -> int:
     nbytes = HIDDEN * VOCAB + (HIDDEN // 32) * VOCAB * 2
     for m in (int(r) for r in args.rows.split(",")):
         x = jnp.asarray(np.random.default_rng(m).standard_normal((m, HIDDEN)), jnp.float32)
-        best = best_times(runs, x, args.rounds,
-                          before=lambda: flush(flush_buffer).block_until_ready())
+        best = best_times(runs, x, args.rounds, before=flush)
         row = (f"| {m} | {best['kernel'] * 1e3:.2f} | {nbytes / best['kernel'] / 1e9:.1f} | "
                f"{best['xla'] * 1e3:.2f} | {best['xla'] / best['kernel']:.2f}x |")
         if args.against:
