@@ -196,9 +196,34 @@ inline void AddScaled(const Problem& p, int64_t row, int64_t g, const __m512i do
   }
 }
 
+// One chunk (4 rows of K from k0, interleaved: w[0..3]) into the sums of rows [m0, m0 + R).
+// kInt8: int8 weights, (x + 128) . w (the 128 . w part is taken off after); else int4 codes . x.
+template <int R, bool kInt8>
+inline void Chunk(const Problem& p, int64_t m0, int64_t k0, const __m512i* w, __m512i acc[R][4]) {
+  for (int r = 0; r < R; ++r) {
+    int32_t four;
+    if (kInt8) {
+      std::memcpy(&four, p.xu + (m0 + r) * p.k + k0, 4);
+    } else {
+      std::memcpy(&four, p.xq + (m0 + r) * p.k + k0, 4);
+    }
+    const __m512i xb = _mm512_set1_epi32(four);
+    for (int v = 0; v < 4; ++v) {
+      acc[r][v] = kInt8 ? _mm512_dpbusd_epi32(acc[r][v], xb, w[v])
+                        : _mm512_dpbusd_epi32(acc[r][v], w[v], xb);
+    }
+  }
+}
+
+// The chunks of a whole part (kPartK rows of K), the usual case: a loop of constant length,
+// unrolled, so the compiler keeps the sums in place (with the length a variable, GCC copied
+// every accumulator from register to register on each chunk; 16-256 rows of x were 1.05-1.16x
+// slower so).
+constexpr int64_t kPartChunks = 8;
+
 // The contribution of rows k0 .. k0 + 4 chunks of K (within param group g) to rows [m0, m0 + R)
-// of x: `w` their interleaved codes (chunks of 4 rows of K, 4 vectors each), `xu8`: broadcast the unsigned x (int8 weights) or the codes are
-// the unsigned side (int4). out: [M, 64] accumulators in the permuted column order.
+// of x: `w` their interleaved codes (chunks of 4 rows of K, 4 vectors each). out: [M, 64]
+// accumulators in the permuted column order.
 template <int R, bool kInt8>
 inline void Tile(const Problem& p, int64_t m0, int64_t g, int64_t k0, int64_t chunks, const __m512i* w,
                  const __m512i* corr, const __m512 scale[4], const __m512* minimum,
@@ -206,21 +231,12 @@ inline void Tile(const Problem& p, int64_t m0, int64_t g, int64_t k0, int64_t ch
   __m512i acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_si512();
-  for (int64_t ch = 0; ch < chunks; ++ch) {
-    for (int r = 0; r < R; ++r) {
-      int32_t four;
-      if (kInt8) {
-        std::memcpy(&four, p.xu + (m0 + r) * p.k + k0 + 4 * ch, 4);
-      } else {
-        std::memcpy(&four, p.xq + (m0 + r) * p.k + k0 + 4 * ch, 4);
-      }
-      const __m512i xb = _mm512_set1_epi32(four);
-      for (int v = 0; v < 4; ++v) {
-        // int8 weights: (x + 128) . w, the 128 . w part taken off below; int4: codes . x
-        acc[r][v] = kInt8 ? _mm512_dpbusd_epi32(acc[r][v], xb, w[4 * ch + v])
-                          : _mm512_dpbusd_epi32(acc[r][v], w[4 * ch + v], xb);
-      }
-    }
+  if (chunks == kPartChunks) {
+#pragma GCC unroll 8
+    for (int64_t ch = 0; ch < kPartChunks; ++ch)
+      Chunk<R, kInt8>(p, m0, k0 + 4 * ch, w + 4 * ch, acc);
+  } else {
+    for (int64_t ch = 0; ch < chunks; ++ch) Chunk<R, kInt8>(p, m0, k0 + 4 * ch, w + 4 * ch, acc);
   }
   for (int r = 0; r < R; ++r) {
     __m512i dot[4];
@@ -319,6 +335,7 @@ inline void AmxRows(const Problem& p, int64_t g, int64_t k0, const __m512i* w,
 #endif
 
 constexpr int64_t kPartK = 32;  // rows of K interleaved at a time (a group may have several)
+static_assert(kPartK == 4 * kPartChunks);
 // 64-column blocks of a work item. Each item walks its code rows forward, so the wider it is,
 // the longer the run of memory each code row gives it (a few rows of x are bound by reading the
 // codes); its [M, width] f32 accumulators bound it from above, and the threads want items to

@@ -139,7 +139,9 @@ def _kinds(k=576, n=320, seed=0):
             "int4 asym g64 f32 scales": lambda: quant.quantize_int4(
                 _weight(640, n, seed), 64, symmetric=False, scale_dtype=jnp.float32),
             "int4 asym g128": lambda: quant.quantize_int4(_weight(1024, n, seed), 128,
-                                                          symmetric=False)}
+                                                          symmetric=False),
+            # groups of 16: parts shorter than the kernel's 32 rows (its loop of variable length)
+            "int8 g16": lambda: quant.quantize_int8(w, 16)}
 
 
 def _q8(qw, x):
