@@ -225,9 +225,9 @@ constexpr int64_t kPartChunks = 8;
 // of x: `w` their interleaved codes (chunks of 4 rows of K, 4 vectors each). out: [M, 64]
 // accumulators in the permuted column order.
 template <int R, bool kInt8>
-inline void Tile(const Problem& p, int64_t m0, int64_t g, int64_t k0, int64_t chunks, const __m512i* w,
-                 const __m512i* corr, const __m512 scale[4], const __m512* minimum,
-                 float* out, int64_t out_stride) {
+inline void Tile(const Problem& p, int64_t m0, int64_t g, int64_t k0, int64_t chunks,
+                 const __m512i* w, const __m512i* corr, const __m512 scale[4],
+                 const __m512* minimum, float* out, int64_t out_stride) {
   __m512i acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_si512();
