@@ -14,16 +14,15 @@
 // D vector FMAs across the page's keys, and the values are accumulated D-wide. Nothing is
 // gathered into a copy of the context, and a decode row costs what its own context costs,
 // however long the other sequences in the step are.
-// Decode items of the common shapes (page size 16, head_dim 64, GQA group <= 4; any cache
-// dtype, an int8 page's values times their slots' scales as they are read) take a faster path,
+// Decode items of the common shapes (page size 16, head_dim 64, GQA group <= 4; any cache dtype, an
+// int8 page's slot scales applied to its scores and its softmax weights) take a faster path,
 // DecodeItem: 4 pages per online-softmax update, the accumulators in AVX-512 registers, the next
-// pages prefetched. Where it applies, every new token is an item of its own, prefill
-// chunks and verifications included: a token's row is then computed the same way, bit for bit,
-// whatever chunk or step it comes in (speculation and chunking cannot change greedy output, even
-// where a last-bit difference would be amplified: int8 activations round x), and it is faster
-// than the blocks of rows too (a 512-token chunk over 512 positions: 9.5 -> 3.8 ms a layer with
-// a float32 cache, 8.8 -> 2.1 with float16; the G query heads of a KV head still share each
-// key and value read).
+// pages prefetched. Where it applies, every new token is an item of its own, prefill chunks and
+// verifications included: a token's row is then computed the same way, bit for bit, whatever chunk
+// or step it comes in (speculation and chunking cannot change greedy output, even where a last-bit
+// difference would be amplified: int8 activations round x), and it is faster than the blocks of
+// rows too (a 512-token chunk over 512 positions: 9.5 -> 3.8 ms a layer with a float32 cache,
+// 8.8 -> 2.1 with float16; the G query heads of a KV head still share each key and value read).
 //
 // Work items are spread over XLA's intra-op thread pool (the calling thread takes items too).
 // int8 caches carry one f32 scale per (layer, page, KV head, slot); float16/bfloat16 caches are
@@ -430,15 +429,17 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
       if (d * 64 < block_bytes)
         for (int j = 0; j < num_next; ++j) _mm_prefetch(next[j] + d * 64, _MM_HINT_T1);
       __m512 kv[kPages];
-      for (int j = 0; j < kPages; ++j) {
-        kv[j] = Load16<KIND>(kp[j] + d * PS * kEsize);
-        if constexpr (kScaled) kv[j] = _mm512_mul_ps(kv[j], kscale[j]);  // as head_page does
-      }
+      for (int j = 0; j < kPages; ++j) kv[j] = Load16<KIND>(kp[j] + d * PS * kEsize);
       for (int g = 0; g < G; ++g) {
         const __m512 qd = _mm512_set1_ps(q[g][d]);
         for (int j = 0; j < kPages; ++j) s[g][j] = _mm512_fmadd_ps(qd, kv[j], s[g][j]);
       }
     }
+    // int8: a key's scale multiplies its score once (q . (k s) = (q . k) s), not each of its D
+    // values (a NaN scale past the context is masked below, as its score would be)
+    if constexpr (kScaled)
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < kPages; ++j) s[g][j] = _mm512_mul_ps(s[g][j], kscale[j]);
     for (int g = 0; g < G; ++g) {
       __m512 mx = neg_inf;
       for (int j = 0; j < kPages; ++j) {
@@ -456,8 +457,12 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
       __m512 sum = _mm512_setzero_ps();
       for (int j = 0; j < kPages; ++j) {
         const __m512 e = Exp512(_mm512_sub_ps(s[g][j], mv));
-        _mm512_store_ps(probs[g] + j * PS, e);
         sum = _mm512_add_ps(sum, e);
+        // int8: each value's weight times its slot's scale, once for the D values of the slot
+        // (zeros past the context, where the page's scales may be anything)
+        __m512 weight = e;
+        if constexpr (kScaled) weight = _mm512_mul_ps(e, _mm512_loadu_ps(vs[j]));
+        _mm512_store_ps(probs[g] + j * PS, weight);
       }
       const float alpha = exp_approx(m[g] - m_new);  // 0 while m is -inf
       l[g] = l[g] * alpha + _mm512_reduce_add_ps(sum);
@@ -470,10 +475,6 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
         const char* vrow = vp[j] + t * D * kEsize;
         __m512 v[C];
         for (int c = 0; c < C; ++c) v[c] = Load16<KIND>(vrow + c * 16 * kEsize);
-        if constexpr (kScaled) {
-          const __m512 sc = _mm512_set1_ps(vs[j][t]);
-          for (int c = 0; c < C; ++c) v[c] = _mm512_mul_ps(v[c], sc);
-        }
         for (int g = 0; g < G; ++g) {
           const __m512 e = _mm512_set1_ps(probs[g][j * PS + t]);
           for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(e, v[c], acc[g][c]);
