@@ -11,8 +11,9 @@ feeding the next so XLA cannot overlap them: once through the C++ kernel on Q4_1
 (4-bit, groups of 32, f16 scales and minimums: the default model's format, ~60 MB), once through
 `jnp.dot` on float32 weights of the same shapes (~425 MB). The two run interleaved, round after
 round, and the best round of each is kept, so load from other users of a shared machine hits
-both alike; a pass over 64 MiB before every timed call makes each take its weights from memory. This is where `cpu_kernels.quant_matmul.dense_faster_above_rows` comes from: the
-row count above which the engine would rather keep a float copy of each weight. With --against,
+both alike; a pass over 64 MiB before every timed call makes each take its weights from memory.
+This is where `cpu_kernels.quant_matmul.dense_faster_above_rows` comes from: the row count above
+which the engine would rather keep a float copy of each weight. With --against,
 the float kernel built from another version of `quant_matmul.cc` runs too, interleaved, after
 a check whether its product of one layer's matrix equals this version's bit for bit.
 
