@@ -327,7 +327,7 @@ template <int G, int KIND>
 void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
   constexpr int PS = 16, D = 64, C = D / 16, kPages = 4;
   constexpr int64_t kEsize = KIND == 0 ? 4 : KIND == 3 ? 1 : 2;
-  constexpr bool kScaled = KIND == 3;  // int8: each slot's value times its f32 scale
+  constexpr bool kScaled = KIND == 3;  // int8: each slot's f32 scales (K: score, V: weight)
   const int32_t q_start = p.cu_q_lens[w.seq];
   const int32_t q_len = p.cu_q_lens[w.seq + 1] - q_start;
   const int64_t pos = p.kv_lens[w.seq] - q_len + w.first_token;  // the token's position
@@ -422,9 +422,13 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
     __m512 s[G][kPages];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < kPages; ++j) s[g][j] = _mm512_setzero_ps();
-    __m512 kscale[kPages];
-    if constexpr (kScaled)
-      for (int j = 0; j < kPages; ++j) kscale[j] = _mm512_loadu_ps(ks[j]);
+    __m512 kscale[kPages], vscale[kPages];
+    if constexpr (kScaled) {
+      for (int j = 0; j < kPages; ++j) {
+        kscale[j] = _mm512_loadu_ps(ks[j]);
+        vscale[j] = _mm512_loadu_ps(vs[j]);
+      }
+    }
     for (int d = 0; d < D; ++d) {
       if (d * 64 < block_bytes)
         for (int j = 0; j < num_next; ++j) _mm_prefetch(next[j] + d * 64, _MM_HINT_T1);
@@ -461,7 +465,7 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
         // int8: each value's weight times its slot's scale, once for the D values of the slot
         // (zeros past the context, where the page's scales may be anything)
         __m512 weight = e;
-        if constexpr (kScaled) weight = _mm512_mul_ps(e, _mm512_loadu_ps(vs[j]));
+        if constexpr (kScaled) weight = _mm512_mul_ps(e, vscale[j]);
         _mm512_store_ps(probs[g] + j * PS, weight);
       }
       const float alpha = exp_approx(m[g] - m_new);  // 0 while m is -inf
