@@ -6,12 +6,13 @@
     JAX_PLATFORMS=cpu python benchmarks/cpu_attention.py --against /tmp/old.cc
 
 One jitted call runs the kernel on one decode token of each of S sequences with C tokens of
-context, for each of SmolLM2-135M's 30 layers (9 query heads, 3 KV heads, head_dim 64, page size
-16), each layer's output feeding the next layer's queries so that XLA cannot overlap them. The
-pages of the sequences are a random permutation of the pool (as a long-running engine's are).
-With --against, the kernel built from another source file runs too, interleaved round after
-round with this checkout's, the best round of each kept, so load from other users of a shared
-machine hits both alike. GB/s counts the K and V bytes the call reads.
+context (SxC+K: 1 + K tokens each, the last at position C - 1, as in a speculative
+verification), for each of SmolLM2-135M's 30 layers (9 query heads, 3 KV heads, head_dim 64,
+page size 16), each layer's output feeding the next layer's queries so that XLA cannot overlap
+them. The pages of the sequences are a random permutation of the pool (as a long-running
+engine's are). With --against, the kernel built from another source file runs too, interleaved
+round after round with this checkout's, the best round of each kept, so load from other users of
+a shared machine hits both alike. GB/s counts the K and V bytes the call reads.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def layers_fn(target: str):
     return jax.jit(run)
 
 
-def decode_batch(seqs: int, context: int, dtype, rng):
+def decode_batch(seqs: int, context: int, dtype, rng, drafts: int = 0):
     pages = -(-context // PS)
     num_pages = 1 + seqs * pages
     if dtype == np.int8:  # codes and one f32 scale per (layer, page, KV head, slot)
@@ -60,8 +61,8 @@ def decode_batch(seqs: int, context: int, dtype, rng):
         k_scale = v_scale = np.zeros((1,), np.float32)
     page_indices = rng.permutation(np.arange(1, num_pages)).reshape(seqs, pages).astype(np.int32)
     kv_lens = np.full(seqs, context, np.int32)
-    cu_q_lens = np.arange(seqs + 1, dtype=np.int32)
-    q = rng.standard_normal((seqs, HQ, D)).astype(np.float32)
+    cu_q_lens = np.arange(seqs + 1, dtype=np.int32) * (1 + drafts)
+    q = rng.standard_normal((seqs * (1 + drafts), HQ, D)).astype(np.float32)
     nbytes = 2 * LAYERS * seqs * context * HKV * (D * np.dtype(dtype).itemsize
                                                   + (4 if dtype == np.int8 else 0))
     arrays = (q, k, v, k_scale, v_scale, kv_lens, page_indices, cu_q_lens,
@@ -71,7 +72,7 @@ def decode_batch(seqs: int, context: int, dtype, rng):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="16x512", help="SEQSxCONTEXT,...")
+    ap.add_argument("--shapes", default="16x512", help="SEQSxCONTEXT[+DRAFTS],...")
     ap.add_argument("--dtypes", default="float16,float32")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--against", type=Path, help="another version of the kernel's source")
@@ -92,9 +93,11 @@ def main(argv=None) -> int:
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for shape in args.shapes.split(","):
-        seqs, context = (int(x) for x in shape.split("x"))
+        seqs, rest = shape.split("x")
+        context, _, drafts = rest.partition("+")
+        seqs, context, drafts = int(seqs), int(context), int(drafts or 0)
         for dtype in args.dtypes.split(","):
-            batch, nbytes = decode_batch(seqs, context, np.dtype(dtype), rng)
+            batch, nbytes = decode_batch(seqs, context, np.dtype(dtype), rng, drafts)
             best = {name: float("inf") for name in kernels}
             outs = {name: fn(*batch).block_until_ready() for name, fn in kernels.items()}
             if args.against:
@@ -106,7 +109,8 @@ def main(argv=None) -> int:
                     fn(*batch).block_until_ready()
                     best[name] = min(best[name], time.perf_counter() - t0)
             ms = best["this"] * 1e3
-            line = f"| {seqs} | {context} | {dtype} | {ms:.2f} | {nbytes / best['this'] / 1e9:.1f} |"
+            label = f"{context} +{drafts}" if drafts else f"{context}"
+            line = f"| {seqs} | {label} | {dtype} | {ms:.2f} | {nbytes / best['this'] / 1e9:.1f} |"
             if args.against:
                 line += f" {best['against'] * 1e3:.2f} | {best['against'] / best['this']:.2f}x |"
             print(line, flush=True)

@@ -1,11 +1,13 @@
 """Where a step's time goes: real engine steps profiled op by op, grouped by the model's named scopes.
 
     python benchmarks/step_profile.py [--model smollm2-135m] [--attention-backend auto]
-                                      [--shapes 1x32,16x512,...] [--prefill 512] [--steps 5]
+                                      [--shapes 1x32,16x512,1x256+8,...] [--prefill 512] [--steps 5]
 
 For each decode shape SxC (S sequences whose contexts are C tokens) the engine is brought to that
 state (S prompts of C-1 tokens, prefilled, then decoding), and `--steps` decode steps run under
-`jax.profiler`; `--prefill N` adds one step that prefills an N-token chunk of a fresh prompt. Each
+`jax.profiler`; SxC+K makes them speculative verifications, each sequence's last token and K
+drafts in every step (n-gram speculation's step, its drafts fixed and rejected, so each step has
+the same shape); `--prefill N` adds one step that prefills an N-token chunk of a fresh prompt. Each
 XLA op the trace shows is attributed, through the executables' HLO metadata, to the named scope
 it came from (models/llama.py: qkv_proj, attention, kv_write, o_proj, gate_up_proj, down_proj,
 lm_head, norm, rope; anything else: sampling, embedding, glue). The table gives the wall time of
@@ -40,6 +42,7 @@ GROUPS = {  # scope -> column
     "lm_head": "lm head", "norm": "norm+rope", "rope": "norm+rope",
 }
 COLUMNS = ["matmuls", "attention", "kv write", "lm head", "norm+rope", "other"]
+DRAFT_TOKEN = 100  # the drafts of SxC+K shapes (rejected or not, each step has the same shape)
 _CONTAINERS = ("ThunkExecutor", "while", "cond", "end:", "SlinkyThreadPool", "call", "$")
 
 
@@ -111,6 +114,18 @@ def decode_state(engine, num_seqs: int, context: int, tag: str) -> None:
     engine.step()  # every sequence decodes from here
 
 
+class FixedDrafts:
+    """The engine's proposer for SxC+K shapes: K drafts (one fixed token) for every decoding
+    request, whatever the speculation policy would give."""
+
+    def __init__(self, num_drafts: int):
+        self.num_drafts = num_drafts
+
+    def propose(self, sched_out, runner_out, updated, scheduler) -> None:
+        for req in updated:
+            req.spec_token_ids = [DRAFT_TOKEN] * self.num_drafts
+
+
 def clear(engine) -> None:
     for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         engine.abort_request(r.request_id)
@@ -129,20 +144,28 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dummy", action="store_true", help="random weights of MODEL's shapes")
     args = ap.parse_args(argv)
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s]
-    kwargs = dict(max_num_seqs=max([s for s, _ in shapes] + [1]),
+    shapes = [tuple(int(x) for x in re.fullmatch(r"(\d+)x(\d+)(?:\+(\d+))?", s).groups("0"))
+              for s in args.shapes.split(",") if s]
+    max_drafts = max([k for _, _, k in shapes] + [0])
+    kwargs = dict(max_num_seqs=max([s for s, _, _ in shapes] + [1]),
                   max_num_batched_tokens=max(512, args.prefill), max_model_len=2048,
                   attention_backend=args.attention_backend, quantization=args.quantization,
                   kv_cache_dtype=args.kv_cache_dtype, int8_activations=args.int8_activations,
                   enable_prefix_caching=False)
+    if max_drafts:  # the drafts come from FixedDrafts; the budget never cuts them
+        kwargs.update(speculative_method="ngram", num_speculative_tokens=max_drafts,
+                      spec_max_batched_tokens=kwargs["max_num_batched_tokens"])
     if args.dummy:
         kwargs.update(load_format="dummy", tokenizer=args.model)
     engine = LLMEngine(args.model, **kwargs)
     engine.warmup()
     rows = []
-    for num_seqs, context in shapes:
-        decode_state(engine, num_seqs, context, f"d{num_seqs}x{context}")
-        rows.append((f"decode S={num_seqs} ctx={context}", num_seqs, *profile_steps(engine, args.steps)))
+    for num_seqs, context, num_drafts in shapes:
+        engine.proposer = FixedDrafts(num_drafts) if max_drafts else None
+        decode_state(engine, num_seqs, context, f"d{num_seqs}x{context}+{num_drafts}")
+        label = f"decode S={num_seqs} ctx={context}" + (f" +{num_drafts} drafts" if num_drafts
+                                                         else "")
+        rows.append((label, num_seqs, *profile_steps(engine, args.steps)))
         clear(engine)
     if args.prefill:
         rng = np.random.default_rng(0)
