@@ -58,7 +58,7 @@ class Replay:
     verifications: int = 0  # steps that verified at least one draft
     tokens: int = 0  # tokens emitted by those steps
     seconds: float = 0.0  # their step time
-    plain_seconds: float = 0.0  # the same tokens one a step
+    plain_seconds: float = 0.0  # the same tokens, one a step without drafts
 
 
 def step_costs(llm: LLM, k: int, context: int, steps: int) -> dict[int, float]:
