@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -70,6 +71,14 @@ def decode_batch(seqs: int, context: int, dtype, rng, drafts: int = 0):
     return tuple(jnp.asarray(a) for a in arrays), nbytes
 
 
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'SxC' or 'SxC+K' -> (S, C, K), K = 0 without drafts."""
+    m = re.fullmatch(r"(\d+)x(\d+)(?:\+(\d+))?", text)
+    if m is None:
+        raise ValueError(f"shape {text!r}: expected SEQSxCONTEXT or SEQSxCONTEXT+DRAFTS")
+    return tuple(int(x) for x in m.groups("0"))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="16x512", help="SEQSxCONTEXT[+DRAFTS],...")
@@ -93,9 +102,7 @@ def main(argv=None) -> int:
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for shape in args.shapes.split(","):
-        seqs, rest = shape.split("x")
-        context, _, drafts = rest.partition("+")
-        seqs, context, drafts = int(seqs), int(context), int(drafts or 0)
+        seqs, context, drafts = parse_shape(shape)
         for dtype in args.dtypes.split(","):
             batch, nbytes = decode_batch(seqs, context, np.dtype(dtype), rng, drafts)
             best = {name: float("inf") for name in kernels}

@@ -35,6 +35,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
+from jaxinfer.request import Request  # noqa: E402
 from jaxinfer.runtime.spec_decode import NgramProposer  # noqa: E402
 from jaxinfer.sched.spec_policy import SpecPolicy  # noqa: E402
 from peers import parse_engine_args  # noqa: E402
@@ -42,14 +43,18 @@ from spec import COPY_PROMPTS, FREE_PROMPTS, chat_ids  # noqa: E402
 from step_profile import FixedDrafts, clear, decode_state  # noqa: E402
 
 
+_REQUEST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Request)}
+
+
 @dataclasses.dataclass
 class ReplayRequest:
-    """The fields of a Request that the policy reads and updates (its defaults: the prior)."""
+    """The fields of a Request that the policy reads and updates, from Request's own defaults
+    (the policy's prior)."""
 
     spec_enabled: bool = True
-    spec_accept_num: float = 3.0
-    spec_accept_den: float = 4.0
-    spec_idle_steps: int = 0
+    spec_accept_num: float = _REQUEST_DEFAULTS["spec_accept_num"]
+    spec_accept_den: float = _REQUEST_DEFAULTS["spec_accept_den"]
+    spec_idle_steps: int = _REQUEST_DEFAULTS["spec_idle_steps"]
 
 
 @dataclasses.dataclass

@@ -33,6 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from cpu_attention import parse_shape  # noqa: E402
 from jaxinfer.engine import LLMEngine  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 
@@ -144,8 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dummy", action="store_true", help="random weights of MODEL's shapes")
     args = ap.parse_args(argv)
-    shapes = [tuple(int(x) for x in re.fullmatch(r"(\d+)x(\d+)(?:\+(\d+))?", s).groups("0"))
-              for s in args.shapes.split(",") if s]
+    shapes = [parse_shape(s) for s in args.shapes.split(",") if s]
     max_drafts = max([k for _, _, k in shapes] + [0])
     kwargs = dict(max_num_seqs=max([s for s, _, _ in shapes] + [1]),
                   max_num_batched_tokens=max(512, args.prefill), max_model_len=2048,
