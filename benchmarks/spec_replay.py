@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
 from jaxinfer.request import Request  # noqa: E402
-from jaxinfer.runtime.spec_decode import NgramProposer  # noqa: E402
+from jaxinfer.runtime.spec_decode import NgramProposer, ngram_drafts  # noqa: E402
 from jaxinfer.sched.spec_policy import SpecPolicy  # noqa: E402
 from peers import parse_engine_args  # noqa: E402
 from spec import COPY_PROMPTS, FREE_PROMPTS, chat_ids  # noqa: E402
@@ -97,15 +97,14 @@ def accepted_prefix(drafts: list[int], answer: list[int], t: int) -> int:
 
 
 class PolicyDrafts:
-    """Drafts as the engine gives them: the policy's k, the proposer's drafts, the policy told
-    what was accepted."""
+    """Drafts as the engine gives them (`ngram_drafts`: the proposer's drafts and their match's
+    length, cut to the policy's k), the policy told what was accepted."""
 
     def __init__(self, policy: SpecPolicy, proposer: NgramProposer):
         self.policy, self.proposer = policy, proposer
 
     def drafts(self, req: ReplayRequest, answer: list[int], tokens: list[int], t: int) -> list[int]:
-        k = self.policy.num_drafts(req, 1)
-        return self.proposer.propose(tokens, k) if k else []
+        return ngram_drafts(self.proposer, self.policy, req, tokens, 1)
 
     def observe(self, req: ReplayRequest, num_draft: int, num_accepted: int) -> None:
         self.policy.observe(req, num_draft, num_accepted)

@@ -53,6 +53,33 @@ def test_ngram_proposer_prefers_long_recent_matches():
         NgramProposer(3, 2)
 
 
+
+def test_ngram_lookup_prefers_the_longest_match_and_says_its_length():
+    """Of the occurrences of the matched n-gram, the one that repeats the most of the last tokens
+    wins (then the latest with k tokens after it), and its length comes with the drafts, counted
+    up to k + 1 tokens."""
+    from jaxinfer.runtime.spec_decode import NgramProposer, ngram_drafts
+
+    ngram = NgramProposer(ngram_min=2, ngram_max=3)
+    #         0  1  2  3  4  5  6  7  8  9 10 11 12 13 14 15
+    tokens = [9, 1, 2, 3, 4, 5, 8, 1, 2, 3, 6, 7, 9, 1, 2, 3]
+    # [1, 2, 3] occurs at 1 (preceded by 9, as the suffix is: 4 tokens) and at 7 (by 8: 3)
+    assert ngram.lookup(tokens, 3) == ([4, 5, 8], 4)
+    # k = 1 counts no further than 2 tokens: both occurrences are 3 long, the latest wins
+    assert ngram.lookup(tokens, 1) == ([6], 3)
+    # a run repeated further back than k + 1 tokens: the count stops there
+    assert ngram.lookup([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], 2) == ([7, 8], 3)
+    assert ngram.lookup([1, 2, 3, 4], 3) == ([], 0)
+    assert ngram.lookup(tokens, 0) == ([], 0)
+    assert ngram.propose(tokens, 3) == [4, 5, 8]
+    # the policy cuts the drafts by the match: a long one is a copy (up to its length - 1 drafts
+    # whatever alpha's threshold allows), a short one gets at most one draft
+    policy = SpecPolicy(num_speculative_tokens=8, max_batched_tokens=64, min_accept_prob=0.3)
+    copying = [7, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5]
+    assert ngram_drafts(NgramProposer(2, 4), policy, _req(), copying, 1) == [6, 8, 9, 10]
+    assert ngram_drafts(NgramProposer(2, 4), policy, _req(), [4, 1, 2, 7, 8, 1, 2], 1) == [7]
+    assert ngram_drafts(NgramProposer(2, 4), policy, _req(spec_enabled=False), copying, 1) == []
+
 def _req(**kw) -> Request:
     req = make_request("r", [1, 2, 3])
     req.spec_enabled = True
@@ -89,6 +116,29 @@ def test_spec_policy_adapts_k_to_acceptance_and_batch():
     assert SpecPolicy.calibrated_max_batched_tokens({1: .05, 2: .06, 4: .07, 8: .1, 16: .2}) == 4
     assert SpecPolicy.calibrated_max_batched_tokens({1: .01, 8: .01, 64: .012, 256: .03}) == 64
 
+
+
+def test_spec_policy_trusts_a_long_match():
+    """A prompt-lookup match of LONG_MATCH tokens or more may have up to its length - 1 drafts
+    (rule 2 and K still cap them) whatever alpha's threshold says; with measured step times the
+    count with the most tokens per unit of step time where drafts are kept together,
+    E(j) = 1 + alpha j; a shorter match keeps the threshold rule, cut to its length - 1."""
+    plain = SpecPolicy(8, max_batched_tokens=64, min_accept_prob=0.3)
+    low = _req(spec_accept_num=0.4, spec_accept_den=1.0)  # the threshold rule: 1 draft
+    assert plain.num_drafts(low, 1) == 1
+    assert [plain.num_drafts(low, 1, match_len=n) for n in (4, 6, 9, 30)] == [3, 5, 8, 8]
+    assert plain.num_drafts(low, 16, match_len=30) == 3  # rule 2: 64 // 16 - 1
+    assert plain.num_drafts(_req(spec_enabled=False), 1, match_len=30) == 0
+    high = _req(spec_accept_num=0.95, spec_accept_den=1.0)  # the threshold rule: 8
+    assert [plain.num_drafts(high, 1, match_len=n) for n in (1, 2, 3)] == [1, 1, 2]
+    cpu = ((1, 1.0), (2, 1.4), (4, 2.1), (8, 2.8), (9, 3.0), (16, 3.4), (32, 6.0))
+    policy = SpecPolicy(8, max_batched_tokens=64, min_accept_prob=0.3, step_seconds=cpu)
+    # alpha 0.4, (1 + 0.4 j) / c: j=1 1.4/1.4=1.0, j=3 2.2/2.1=1.05, j=7 3.8/2.8=1.36,
+    # j=8 4.2/3.0=1.40: the best
+    assert policy.num_drafts(low, 1, match_len=30) == 8
+    # a match of 6: j <= 5, where j=5 gives 3.0/2.8=1.07 and j=3 1.05, both under MIN_GAIN: none
+    assert policy.num_drafts(low, 1, match_len=6) == 0
+    assert policy.num_drafts(high, 1, match_len=6) == 5  # 5.75/2.8=2.05
 
 def test_spec_policy_weighs_drafts_by_measured_step_cost():
     """With step times measured, rule 1 takes the draft count with the most expected tokens per

@@ -31,13 +31,20 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.request import Request
 from jaxinfer.sched.output import RunnerOutput, SchedulerOutput
 from jaxinfer.sched.scheduler import Scheduler
+from jaxinfer.sched.spec_policy import SpecPolicy
 
 
 @dataclasses.dataclass(frozen=True)
 class NgramProposer:
-    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = ngram_max down
-    to ngram_min) in the request's own prompt + output and propose the tokens that followed it.
-    Host-side numpy: one vectorised scan of the tokens per n."""
+    """Prompt lookup: find an earlier occurrence of the last n tokens (n = ngram_max down to
+    ngram_min) in the request's own prompt + output and propose the tokens that followed it.
+
+    Of the occurrences of the longest n-gram that matches, the one whose match runs furthest back
+    (up to k + 1 tokens: the match's length) wins, then the latest that has k tokens after it: a
+    copy in progress matches the text it copies for many tokens, a common phrase for few. The
+    match's length goes with the drafts to `SpecPolicy`, which trusts a long match with more of
+    them. Host-side numpy: one vectorised scan of the tokens per n, then one per token of length.
+    """
 
     ngram_min: int = 2
     ngram_max: int = 4
@@ -49,9 +56,14 @@ class NgramProposer:
 
     def propose(self, token_ids, k: int) -> list[int]:
         """Up to `k` drafts continuing `token_ids` (prompt + output so far); [] when no n-gram
-        of the suffix occurred before. Prefers the latest match that has k tokens after it."""
+        of the suffix occurred before."""
+        return self.lookup(token_ids, k)[0]
+
+    def lookup(self, token_ids, k: int) -> tuple[list[int], int]:
+        """(up to `k` drafts, the length of the match they continue: how many of the last tokens
+        the chosen occurrence repeats, at most max(n, k + 1)); ([], 0) when nothing matches."""
         if k <= 0:
-            return []
+            return [], 0
         tokens = np.asarray(token_ids, np.int64)  # i64[L]
         length = tokens.shape[0]
         for n in range(min(self.ngram_max, length - 1), self.ngram_min - 1, -1):
@@ -60,10 +72,39 @@ class NgramProposer:
             for j in range(1, n):
                 starts = starts[tokens[starts + j] == suffix[j]]
             if starts.size:
-                full = starts[starts <= length - n - k]
-                start = int(full[-1] if full.size else starts[-1]) + n
-                return tokens[start:start + k].tolist()
+                lengths = _match_lengths(tokens, starts, n, cap=k + 1)  # i64[S]
+                longest = starts[lengths == lengths.max()]
+                full = longest[longest <= length - n - k]
+                start = int(full[-1] if full.size else longest[-1]) + n
+                return tokens[start:start + k].tolist(), int(lengths.max())
+        return [], 0
+
+
+def _match_lengths(tokens: np.ndarray, starts: np.ndarray, n: int, cap: int) -> np.ndarray:
+    """For each occurrence `starts` (i64[S]) of the last n of `tokens`: how many of the last tokens
+    it repeats, following the match back from n tokens up to `cap` (i64[S], each >= n)."""
+    length = tokens.shape[0]
+    lengths = np.full(starts.shape, n, np.int64)
+    for e in range(n, min(cap, length - 1)):
+        before = starts - (e - n) - 1  # the token before the matched part of each occurrence
+        grow = (lengths == e) & (before >= 0)
+        grow[grow] = tokens[before[grow]] == tokens[length - e - 1]
+        if not grow.any():
+            break
+        lengths[grow] += 1
+    return lengths
+
+
+def ngram_drafts(ngram: NgramProposer, policy: SpecPolicy, req: Request, token_ids,
+                 num_requests: int) -> list[int]:
+    """The drafts `req` (whose prompt + output is `token_ids`) carries into the next step with
+    `num_requests` running or waiting: prompt lookup for as many as the batch allows, cut to
+    what the policy gives a match of that length."""
+    k_max = policy.max_drafts(req, num_requests)
+    drafts, match_len = ngram.lookup(token_ids, k_max)
+    if not drafts:
         return []
+    return drafts[:policy.num_drafts(req, num_requests, match_len=match_len)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +131,8 @@ class DraftProposer:
             for req in updated:
                 if req.is_finished() or req.num_tokens - req.num_computed_tokens != 1:
                     continue
-                k = scheduler.spec_policy.num_drafts(req, num_requests)
-                drafts = self.ngram.propose(req.all_token_ids, k) if k else []
+                drafts = ngram_drafts(self.ngram, scheduler.spec_policy, req, req.all_token_ids,
+                                      num_requests)
                 if drafts and req.grammar is not None:  # only what the grammar accepts
                     drafts = drafts[:req.grammar.num_valid_drafts(drafts)]
                 req.spec_token_ids = drafts

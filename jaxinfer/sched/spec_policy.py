@@ -38,6 +38,18 @@ alone: 1); where it costs ~1x (a GPU) the threshold rule alone decides. A reques
 likewise probes less often where a probe costs more: at most PROBE_OVERHEAD of its steps' time
 goes to probes that find nothing.
 
+Prompt lookup also says how long its match is (`NgramProposer.lookup`): how many of the
+request's last tokens the earlier text it proposes from repeats. A match of LONG_MATCH tokens or
+more is taken for a copy in progress, whose drafts the target keeps or leaves together (it goes
+on copying, or departs from the text): such a match may have up to its length - 1 drafts,
+whatever alpha's threshold says, and with measured step times the count with the most expected
+tokens per unit of step time under that model, E(j) = 1 + alpha j (all j accepted with
+probability alpha), again nothing unless it beats a plain step by MIN_GAIN. A shorter match
+(a common phrase, often not continued) keeps rules 1 and 2 and at most its length - 1 drafts
+(one for a match of one or two tokens).
+On spec.py's prompts, a long match's drafts were all accepted ~75% of the time and a 2-token
+match's first draft ~50% (docs/performance.md, the speculation section).
+
 Requests opt in or out with `SamplingParams.spec_decode` (None: the engine's default, which is on
 when a speculative method is configured).
 """
@@ -58,6 +70,7 @@ KNEE_SLOWDOWN = 1.5  # rule 2's budget: the largest step no slower than this x a
 PROBE_INTERVAL = 8  # decode steps between one-draft probes of a request at k = 0 (at least)
 MIN_GAIN = 1.1  # with measured step times: drafts only where they promise this x the tokens/s
 PROBE_OVERHEAD = 0.02  # with measured step times: the share of time a fruitless probe may cost
+LONG_MATCH = 4  # a prompt-lookup match this long or longer is a copy in progress (see above)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +129,20 @@ class SpecPolicy:
                 best, best_rate = j, rate
         return best
 
+    def num_drafts_for_copy(self, alpha: float, k_max: int, num_requests: int) -> int:
+        """The j <= k_max with the most expected tokens per unit of step time where the drafts
+        are kept or left together, E(j) = 1 + alpha j; 0 where none beats a step without drafts
+        by MIN_GAIN; k_max where no step times are measured."""
+        if not self.step_seconds or k_max <= 0:
+            return max(k_max, 0)
+        base = self.step_time(num_requests)
+        best, best_rate = 0, MIN_GAIN
+        for j in range(1, k_max + 1):
+            rate = (1.0 + min(alpha, 1.0) * j) * base / self.step_time(num_requests * (j + 1))
+            if rate > best_rate:
+                best, best_rate = j, rate
+        return best
+
     def probe_interval(self, num_requests: int) -> int:
         """Decode steps between one-draft probes of a request at k = 0: PROBE_INTERVAL, or more
         where a probe's step costs more than PROBE_OVERHEAD of a plain step per step waited."""
@@ -156,14 +183,22 @@ class SpecPolicy:
     def max_drafts_for_batch(self, num_requests: int) -> int:
         return max(0, self.max_batched_tokens // max(num_requests, 1) - 1)
 
-    def num_drafts(self, req: Request, num_requests: int) -> int:
-        """Drafts to propose for `req` now, with `num_requests` running or waiting."""
+    def max_drafts(self, req: Request, num_requests: int) -> int:
+        """The most drafts `req` may have with `num_requests` running or waiting, whatever its
+        match (rule 2 and K; 0 where it does not speculate)."""
         if not req.spec_enabled:
             return 0
-        k_batch = min(self.num_speculative_tokens, self.max_drafts_for_batch(num_requests))
+        return min(self.num_speculative_tokens, self.max_drafts_for_batch(num_requests))
+
+    def num_drafts(self, req: Request, num_requests: int, match_len: int | None = None) -> int:
+        """Drafts to propose for `req` now, with `num_requests` running or waiting; `match_len`:
+        the length of the prompt-lookup match the drafts continue (None: a draft model's)."""
+        k_batch = self.max_drafts(req, num_requests)
         alpha = self.acceptance(req)
+        if match_len is not None and match_len >= LONG_MATCH:
+            return self.num_drafts_for_copy(alpha, min(k_batch, match_len - 1), num_requests)
         k = min(k_batch, self.num_drafts_for_acceptance(alpha))
         k = self.num_drafts_for_cost(alpha, k, num_requests)
         if k == 0 and k_batch > 0 and req.spec_idle_steps >= self.probe_interval(num_requests):
-            return 1
-        return k
+            k = 1
+        return k if match_len is None else min(k, max(match_len - 1, 1))
