@@ -53,7 +53,6 @@ def test_ngram_proposer_prefers_long_recent_matches():
         NgramProposer(3, 2)
 
 
-
 def test_ngram_lookup_prefers_the_longest_match_and_says_its_length():
     """Of the occurrences of the matched n-gram, the one that repeats the most of the last tokens
     wins (then the latest with k tokens after it), and its length comes with the drafts, counted
@@ -79,6 +78,7 @@ def test_ngram_lookup_prefers_the_longest_match_and_says_its_length():
     assert ngram_drafts(NgramProposer(2, 4), policy, _req(), copying, 1) == [6, 8, 9, 10]
     assert ngram_drafts(NgramProposer(2, 4), policy, _req(), [4, 1, 2, 7, 8, 1, 2], 1) == [7]
     assert ngram_drafts(NgramProposer(2, 4), policy, _req(spec_enabled=False), copying, 1) == []
+
 
 def _req(**kw) -> Request:
     req = make_request("r", [1, 2, 3])
@@ -117,7 +117,6 @@ def test_spec_policy_adapts_k_to_acceptance_and_batch():
     assert SpecPolicy.calibrated_max_batched_tokens({1: .01, 8: .01, 64: .012, 256: .03}) == 64
 
 
-
 def test_spec_policy_trusts_a_long_match():
     """A prompt-lookup match of LONG_MATCH tokens or more may have up to its length - 1 drafts
     (rule 2 and K still cap them) whatever alpha's threshold says; with measured step times the
@@ -139,6 +138,7 @@ def test_spec_policy_trusts_a_long_match():
     # a match of 6: j <= 5, where j=5 gives 3.0/2.8=1.07 and j=3 1.05, both under MIN_GAIN: none
     assert policy.num_drafts(low, 1, match_len=6) == 0
     assert policy.num_drafts(high, 1, match_len=6) == 5  # 5.75/2.8=2.05
+
 
 def test_spec_policy_weighs_drafts_by_measured_step_cost():
     """With step times measured, rule 1 takes the draft count with the most expected tokens per
