@@ -48,7 +48,7 @@ probability alpha), again nothing unless it beats a plain step by MIN_GAIN. A sh
 (a common phrase, often not continued) keeps rules 1 and 2 and at most its length - 1 drafts
 (one for a match of one or two tokens).
 On spec.py's prompts, a long match's drafts were all accepted ~75% of the time and a 2-token
-match's first draft ~50% (docs/performance.md, the speculation section).
+match's first draft ~50% (docs/performance.md, item 17).
 
 Requests opt in or out with `SamplingParams.spec_decode` (None: the engine's default, which is on
 when a speculative method is configured).
