@@ -73,10 +73,11 @@ class NgramProposer:
                 starts = starts[tokens[starts + j] == suffix[j]]
             if starts.size:
                 lengths = _match_lengths(tokens, starts, n, cap=k + 1)  # i64[S]
-                longest = starts[lengths == lengths.max()]
+                match_len = int(lengths.max())
+                longest = starts[lengths == match_len]
                 full = longest[longest <= length - n - k]
                 start = int(full[-1] if full.size else longest[-1]) + n
-                return tokens[start:start + k].tolist(), int(lengths.max())
+                return tokens[start:start + k].tolist(), match_len
         return [], 0
 
 

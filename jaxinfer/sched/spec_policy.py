@@ -116,29 +116,25 @@ class SpecPolicy:
 
     def num_drafts_for_cost(self, alpha: float, k_max: int, num_requests: int) -> int:
         """The j <= k_max with the most expected tokens per unit of step time for a batch of
-        `num_requests` each verifying j drafts; 0 where none beats a step without drafts by
-        MIN_GAIN."""
-        if not self.step_seconds or k_max <= 0:
-            return k_max
-        base = self.step_time(num_requests)
-        best, best_rate = 0, MIN_GAIN
-        for j in range(1, k_max + 1):
-            emitted = j + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (j + 1)) / (1.0 - alpha)
-            rate = emitted * base / self.step_time(num_requests * (j + 1))
-            if rate > best_rate:
-                best, best_rate = j, rate
-        return best
+        `num_requests` each verifying j drafts, accepted independently, E(j) = (1 - alpha**(j+1))
+        / (1 - alpha); 0 where none beats a step without drafts by MIN_GAIN."""
+        return self._best_count(
+            lambda j: j + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (j + 1)) / (1.0 - alpha),
+            k_max, num_requests)
 
     def num_drafts_for_copy(self, alpha: float, k_max: int, num_requests: int) -> int:
-        """The j <= k_max with the most expected tokens per unit of step time where the drafts
-        are kept or left together, E(j) = 1 + alpha j; 0 where none beats a step without drafts
-        by MIN_GAIN; k_max where no step times are measured."""
+        """num_drafts_for_cost where the drafts are kept or left together, E(j) = 1 + alpha j."""
+        return self._best_count(lambda j: 1.0 + min(alpha, 1.0) * j, k_max, num_requests)
+
+    def _best_count(self, emitted, k_max: int, num_requests: int) -> int:
+        """The j <= k_max with the most `emitted(j)` tokens per unit of step time; 0 where none
+        beats a step without drafts by MIN_GAIN; k_max where no step times are measured."""
         if not self.step_seconds or k_max <= 0:
             return max(k_max, 0)
         base = self.step_time(num_requests)
         best, best_rate = 0, MIN_GAIN
         for j in range(1, k_max + 1):
-            rate = (1.0 + min(alpha, 1.0) * j) * base / self.step_time(num_requests * (j + 1))
+            rate = emitted(j) * base / self.step_time(num_requests * (j + 1))
             if rate > best_rate:
                 best, best_rate = j, rate
         return best
