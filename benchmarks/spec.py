@@ -1,7 +1,7 @@
 """Speculative decoding: tokens/s with and without it, single stream and at batch 64.
 
-    python benchmarks/spec.py [--model smollm2-135m] [--max-tokens 64] [--batch 64] [--reps 2]
-                              [--draft [PATH]] [--engine-arg KEY=VALUE ...]
+    python benchmarks/spec.py [--model smollm2-135m] [--max-tokens 64,256] [--batch 64]
+                              [--reps 2] [--draft [PATH]] [--engine-arg KEY=VALUE ...]
 
 Single stream (one request at a time, greedy, SmolLM2's chat template): copy-heavy prompts (repeat
 or edit a given code block, answer with quotes from a given text) and free-form prompts, each run
@@ -10,7 +10,10 @@ model, by default the target itself, which shows the machinery, not a speed-up).
 tokens/s over each whole request and, single stream, over its decode phase alone (the tokens
 after the first over the time after it: speculation's own speed-up, without the prefill both
 pay alike), acceptance rate and mean accepted length (tokens per verification step), and checks
-the greedy output is identical. Batches of 8 and `--batch` requests at once (the same prompts,
+the greedy output is identical. Single streams run at each cap of `--max-tokens` (answers stop at
+EOS before it): 64 tokens are the first half of a copy (the code block is ~130 tokens), where the
+answer's opening (a code fence, a sentence before the quote), which no lookup predicts, weighs
+most; 256 lets every answer run to its end, the whole copy a user asked for. Batches of 8 and `--batch` requests at once (the same prompts,
 repeated): throughput with the adaptive policy (speculation shrinks, then switches off, as the
 batch grows: sched/spec_policy.py) vs speculation off, vs speculation forced on at any size (the
 policy's batch rule off), and with the uncalibrated budget of 64 tokens per step. `warmup()`
@@ -139,7 +142,8 @@ def best_of(reps: int, runs: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", default="64,256",
+                    help="single-stream caps on each answer, comma-separated (each one run)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--batch-max-tokens", type=int, default=24)
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions; the best counts")
@@ -156,8 +160,9 @@ def main() -> None:
                   max_num_batched_tokens=256, max_model_len=1024,
                   **({} if args.k is None else {"num_speculative_tokens": args.k}),
                   **parse_engine_args(args.engine_arg))
-    sp_off = SamplingParams(max_tokens=args.max_tokens, temperature=0, spec_decode=False)
-    sp_on = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    caps = [int(c) for c in args.max_tokens.split(",")]
+    sp_off = {c: SamplingParams(max_tokens=c, temperature=0, spec_decode=False) for c in caps}
+    sp_on = {c: SamplingParams(max_tokens=c, temperature=0) for c in caps}
     rows, identical = [], True
 
     llm = LLM(args.model, speculative_method="ngram", **common)
@@ -169,24 +174,27 @@ def main() -> None:
     budget = llm.engine.spec_policy.max_batched_tokens
     print(f"warm-up {time.perf_counter() - t0:.0f} s, {llm.engine.metrics.num_compilations} "
           f"executables; calibrated budget: {budget} decode + draft tokens per step", flush=True)
-    warm(llm, workloads["copy"] + workloads["free"], [sp_off, sp_on])
+    warm(llm, workloads["copy"] + workloads["free"], [sp_off[caps[0]], sp_on[caps[0]]])
     adaptive = lambda: set_policy(llm, max_batched_tokens=budget)  # noqa: E731
     default = lambda: set_policy(llm, max_batched_tokens=64)  # noqa: E731  uncalibrated default
     forced = lambda: set_policy(llm, max_batched_tokens=10**6)  # noqa: E731  batch rule off
     single = {}
-    for name, prompts in workloads.items():
-        best = best_of(args.reps, {
-            "off": (adaptive, lambda: run_single(llm, prompts, sp_off)),
-            "ngram adaptive": (adaptive, lambda: run_single(llm, prompts, sp_on)),
-            "ngram budget 64": (default, lambda: run_single(llm, prompts, sp_on)),
-        })
-        single[name] = best["off"]
-        for mode, r in best.items():
-            same = None if mode == "off" else r["tokens"] == best["off"]["tokens"]
-            identical &= same is not False
-            rows.append((f"single {name}", mode, r, same))
-        print(f"single {name}: " + ", ".join(f"{m} {r['tok_s']:.1f}" for m, r in best.items())
-              + " tok/s", flush=True)
+    for cap in caps:
+        for name, prompts in workloads.items():
+            off, on = sp_off[cap], sp_on[cap]
+            best = best_of(args.reps, {
+                "off": (adaptive, lambda: run_single(llm, prompts, off)),
+                "ngram adaptive": (adaptive, lambda: run_single(llm, prompts, on)),
+                "ngram budget 64": (default, lambda: run_single(llm, prompts, on)),
+            })
+            single[name, cap] = best["off"]
+            for mode, r in best.items():
+                same = None if mode == "off" else r["tokens"] == best["off"]["tokens"]
+                identical &= same is not False
+                rows.append((f"{name} <={cap}", mode, r, same))
+            print(f"single {name} <={cap}: "
+                  + ", ".join(f"{m} {r['tok_s']:.1f}" for m, r in best.items()) + " tok/s",
+                  flush=True)
 
     all_prompts = workloads["copy"] + workloads["free"]
     sp_b_off = SamplingParams(max_tokens=args.batch_max_tokens, temperature=0, ignore_eos=True,
@@ -217,16 +225,17 @@ def main() -> None:
     if args.draft is not None:
         draft = args.draft or args.model
         llm = LLM(args.model, speculative_method="draft", draft_model=draft, **common)
-        warm(llm, workloads["copy"] + workloads["free"], [sp_on])
-        for name, prompts in workloads.items():
-            on = run_single(llm, prompts, sp_on)
-            same = on["tokens"] == single[name]["tokens"]
-            identical &= same
-            rows.append((f"single {name}", f"draft={os.path.basename(draft)}", on, same))
+        warm(llm, workloads["copy"] + workloads["free"], [sp_on[caps[0]]])
+        for cap in caps:
+            for name, prompts in workloads.items():
+                on = run_single(llm, prompts, sp_on[cap])
+                same = on["tokens"] == single[name, cap]["tokens"]
+                identical &= same
+                rows.append((f"{name} <={cap}", f"draft={os.path.basename(draft)}", on, same))
         del llm
 
     print(f"\nSpeculative decoding, {args.model}, greedy, chat template, k={llm_k}, "
-          f"single stream {args.max_tokens} tokens/prompt (stops at EOS), batches x "
+          f"single streams (copy/free <=N: N tokens a prompt at most, stopping at EOS), batches x "
           f"{args.batch_max_tokens} tokens, best of {args.reps}, CPU={os.cpu_count()} cores; "
           f"adaptive = calibrated batch budget {budget} tokens/step"
           + (f"; engine: {args.engine_arg}" if args.engine_arg else ""))
