@@ -148,7 +148,7 @@ def main() -> None:
     ap.add_argument("--batch-max-tokens", type=int, default=24)
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions; the best counts")
     ap.add_argument("--k", type=int, default=None,
-                    help="num_speculative_tokens (default: the engine's, 8 for n-gram drafts)")
+                    help="num_speculative_tokens (default: the engine's, 16 for n-gram drafts)")
     ap.add_argument("--draft", nargs="?", const="", default=None,
                     help="also a draft model (default: the target itself)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",

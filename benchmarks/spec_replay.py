@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=256, help="context of the timed steps")
     ap.add_argument("--steps", type=int, default=15, help="timed steps per draft count")
     ap.add_argument("--k", type=int, default=None,
-                    help="num_speculative_tokens (default: the engine's, 8 for n-gram drafts)")
+                    help="num_speculative_tokens (default: the engine's, 16 for n-gram drafts)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="an EngineConfig setting (repeatable; values as JSON)")
     args = ap.parse_args(argv)

@@ -199,9 +199,9 @@ Backend = Literal["auto", "xla", "pallas", "cpu"]
 DType = Literal["float32", "bfloat16", "float16"]
 KVCacheDType = Literal["float32", "bfloat16", "float16", "int8"]
 Quantization = Literal["int8", "int4"]
-# num_speculative_tokens when unset: n-gram drafts (docs/performance.md, the speculation table),
-# a draft model's drafts
-DEFAULT_NGRAM_DRAFTS = 8
+# num_speculative_tokens when unset: n-gram drafts (docs/performance.md, the speculation table;
+# 16 since a copy's long matches fill them: "What is left"), a draft model's drafts
+DEFAULT_NGRAM_DRAFTS = 16
 DEFAULT_MODEL_DRAFTS = 4
 
 
@@ -254,8 +254,8 @@ class EngineConfig:
     seed: int = 0  # seeds of requests that bring none
     # Speculative decoding (jaxinfer/runtime/spec_decode.py; the policy in jaxinfer/sched/spec_policy.py)
     speculative_method: Literal["ngram", "draft"] | None = None  # ngram: prompt lookup
-    # the most drafts verified per request per step; default 8 for ngram (lookup drafts are free
-    # and a CPU verifies 8 for ~1.9x a one-token step), 4 for a draft model (a step of its own each)
+    # the most drafts verified per request per step; default 16 for ngram (lookup drafts are free,
+    # and a copy's long matches fill them), 4 for a draft model (a step of its own each)
     num_speculative_tokens: int | None = None
     ngram_min: int = 2  # n-gram prompt lookup tries n = ngram_max down to ngram_min
     ngram_max: int = 4  # see ngram_min

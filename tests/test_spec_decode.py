@@ -179,6 +179,31 @@ def test_spec_policy_weighs_drafts_by_measured_step_cost():
     assert flat.probe_interval(1) == PROBE_INTERVAL
 
 
+def test_calibrated_budget_grants_a_request_alone_all_its_drafts():
+    """Where steps grow from their first token (the knee is one token), a request alone may still
+    verify its K drafts, while requests sharing a step share min(K, SHARED_DRAFTS) + 1 tokens:
+    K = 16 alone -> 16 drafts, two requests 9 // 2 - 1 = 3 each, eight none; K <= 8 shares K + 1
+    as before. Where the knee is higher it is the budget of both."""
+    from jaxinfer.sched.spec_policy import SHARED_DRAFTS
+
+    assert SHARED_DRAFTS == 8
+    slow = {1: 1.0, 2: 1.6, 4: 2.0, 8: 3.0, 16: 5.0, 17: 5.2, 32: 9.0}
+    wide = SpecPolicy(16, min_accept_prob=0.3).calibrated(slow)
+    assert (wide.max_batched_tokens, wide.max_tokens_alone) == (9, 17)
+    assert [wide.max_drafts_for_batch(n) for n in (1, 2, 3, 4, 8)] == [16, 3, 2, 1, 0]
+    narrow = SpecPolicy(4, min_accept_prob=0.3).calibrated(slow)
+    assert (narrow.max_batched_tokens, narrow.max_tokens_alone) == (5, 5)
+    assert [narrow.max_drafts_for_batch(n) for n in (1, 2, 3)] == [4, 1, 0]
+    flat = {1: 1.0, 8: 1.0, 64: 1.2, 128: 1.4, 256: 2.0}
+    gpu = SpecPolicy(16, min_accept_prob=0.3).calibrated(flat)
+    assert (gpu.max_batched_tokens, gpu.max_tokens_alone) == (128, 128)
+    assert [gpu.max_drafts_for_batch(n) for n in (1, 8, 64)] == [127, 15, 1]
+    # a budget given (not calibrated) applies to a request alone too
+    given = SpecPolicy(16, max_batched_tokens=6, min_accept_prob=0.3)
+    assert given.max_drafts_for_batch(1) == 5
+    assert given.max_drafts(_req(), 1) == 5
+
+
 def test_calibration_sets_the_budget_from_timed_steps(tiny_ngram_llm, monkeypatch):
     """warmup()'s calibration times one plain step per token bucket (here on a virtual clock: a
     step of T tokens sampling R rows takes 1 ms + 0.1 ms T + 0.05 ms R) and sets rule 2's budget
@@ -466,11 +491,11 @@ def test_tiny_ngram_identical_with_logprobs_and_stops(tiny_ngram_llm):
 
 
 def test_default_number_of_drafts_follows_the_method():
-    """Unset, num_speculative_tokens is 8 for n-gram lookup (its drafts cost nothing to make) and
+    """Unset, num_speculative_tokens is 16 for n-gram lookup (its drafts cost nothing to make) and
     4 for a draft model (each draft is a step of it); a value given is kept, 0 or 17 refused."""
     from jaxinfer.config import EngineConfig
 
-    assert EngineConfig(speculative_method="ngram").num_speculative_tokens == 8
+    assert EngineConfig(speculative_method="ngram").num_speculative_tokens == 16
     assert EngineConfig(speculative_method="draft", draft_model="x").num_speculative_tokens == 4
     assert EngineConfig(speculative_method="ngram", num_speculative_tokens=3).num_speculative_tokens == 3
     for bad in (0, 17):

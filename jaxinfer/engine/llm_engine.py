@@ -316,9 +316,9 @@ class LLMEngine:
     def calibrate_speculation(self) -> int:
         """Times one (compiled) all-padding step per token bucket (the best of
         CALIBRATION_REPEATS) and gives the times to the speculation policy: its budget of decode
-        + draft tokens per step becomes the device's knee (sched/spec_policy.py, rule 2), or one
-        request's full verification (K + 1) where the knee is lower, and rule 1 weighs drafts by
-        what their steps cost."""
+        + draft tokens per step becomes the device's knee (sched/spec_policy.py, rule 2), or
+        min(K, SHARED_DRAFTS) + 1 where the knee is lower (K + 1 for a request alone: its full
+        verification), and rule 1 weighs drafts by what their steps cost."""
         seconds: dict[int, float] = {}
         for si in warmup_step_inputs(self.engine_config, self.max_model_len, buckets=self.buckets):
             if si.spec_row_ids is not None:

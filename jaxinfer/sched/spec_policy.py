@@ -21,10 +21,13 @@ limit and max_tokens:
    n > 32 -> speculation off. The budget is the device's knee: `LLMEngine.warmup()` times a step
    of each token bucket and, unless spec_max_batched_tokens is set, takes the largest one whose
    time stays within KNEE_SLOWDOWN (1.5x) of a one-token step (64 until then), but never less
-   than K + 1, one request's full verification. Where a step's time grows with its tokens from
-   the start (a small CPU) the budget is then K + 1, so single streams speculate and batches do
-   not; where steps stay latency-bound to hundreds of tokens (a GPU, a small model) batches
-   speculate too.
+   than min(K, SHARED_DRAFTS) + 1, and for a request alone in the engine never less than K + 1,
+   its full verification. Where a step's time grows with its tokens from the start (a small
+   CPU), single streams then speculate (rule 1 weighs what it costs) and batches mostly do not:
+   two requests share 9 tokens, 3 drafts each, eight none. The floor for shared steps stops at
+   SHARED_DRAFTS + 1 because a floor of 17 (K = 16) let each of 8 requests verify a draft, at a
+   loss on a 2-core CPU (docs/performance.md, "What is left"). Where steps stay latency-bound to
+   hundreds of tokens (a GPU, a small model) batches speculate too.
 
 Once the engine has timed its steps (`calibrated`), rule 1 also weighs what the drafts cost: of
 the k that rule allows, it takes the one with the most expected tokens per unit of step time,
@@ -71,12 +74,14 @@ PROBE_INTERVAL = 8  # decode steps between one-draft probes of a request at k = 
 MIN_GAIN = 1.1  # with measured step times: drafts only where they promise this x the tokens/s
 PROBE_OVERHEAD = 0.02  # with measured step times: the share of time a fruitless probe may cost
 LONG_MATCH = 4  # a prompt-lookup match this long or longer is a copy in progress (see above)
+SHARED_DRAFTS = 8  # rule 2's calibrated floor grants requests that share a step this many drafts
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecPolicy:
     num_speculative_tokens: int  # K: the most drafts per request per step
     max_batched_tokens: int = 64  # decode + draft tokens per step (rule 2)
+    max_tokens_alone: int = 0  # rule 2's budget for a request alone (0: max_batched_tokens)
     min_accept_prob: float = 0.3  # rule 1's threshold on alpha**j
     draft_lookahead: bool = False  # a draft model writes its drafts' K/V in the step: hold pages
     # measured step seconds by tokens per step, ((tokens, seconds), ...) ascending; () unmeasured
@@ -166,18 +171,24 @@ class SpecPolicy:
 
     def calibrated(self, step_seconds: dict[int, float]) -> "SpecPolicy":
         """This policy with rule 2's budget from measured step times: the knee, but never less
-        than K + 1, so a single stream may always verify its K drafts (rule 1 still decides by
-        acceptance). Where a step's time grows from its first token (a CPU) the knee alone left
-        one draft, though 4 drafts at ~2x a one-token step's cost still pay on copy-heavy text
+        than min(K, SHARED_DRAFTS) + 1, and for a request alone never less than K + 1, so a
+        single stream may always verify its K drafts (rule 1 still decides by acceptance and
+        cost). Where a step's time grows from its first token (a CPU) the knee alone left one
+        draft, though 4 drafts at ~2x a one-token step's cost still pay on copy-heavy text
         (docs/performance.md, the speculation table)."""
-        budget = max(self.calibrated_max_batched_tokens(step_seconds),
-                     self.num_speculative_tokens + 1)
-        return dataclasses.replace(self, max_batched_tokens=budget,
+        knee = self.calibrated_max_batched_tokens(step_seconds)
+        big_k = self.num_speculative_tokens
+        return dataclasses.replace(self,
+                                   max_batched_tokens=max(knee, min(big_k, SHARED_DRAFTS) + 1),
+                                   max_tokens_alone=max(knee, big_k + 1),
                                    step_seconds=tuple(sorted(step_seconds.items())))
 
     # -- both rules -------------------------------------------------------------------------
     def max_drafts_for_batch(self, num_requests: int) -> int:
-        return max(0, self.max_batched_tokens // max(num_requests, 1) - 1)
+        budget = self.max_batched_tokens
+        if num_requests <= 1 and self.max_tokens_alone > 0:
+            budget = self.max_tokens_alone
+        return max(0, budget // max(num_requests, 1) - 1)
 
     def max_drafts(self, req: Request, num_requests: int) -> int:
         """The most drafts `req` may have with `num_requests` running or waiting, whatever its
