@@ -183,7 +183,8 @@ def test_calibrated_budget_grants_a_request_alone_all_its_drafts():
     """Where steps grow from their first token (the knee is one token), a request alone may still
     verify its K drafts, while requests sharing a step share min(K, SHARED_DRAFTS) + 1 tokens:
     K = 16 alone -> 16 drafts, two requests 9 // 2 - 1 = 3 each, eight none; K <= 8 shares K + 1
-    as before. Where the knee is higher it is the budget of both."""
+    as before. Where the knee is higher it is the budget of both, and requests sharing a step
+    have at most SHARED_DRAFTS drafts each, calibrated or not."""
     from jaxinfer.sched.spec_policy import SHARED_DRAFTS
 
     assert SHARED_DRAFTS == 8
@@ -191,6 +192,7 @@ def test_calibrated_budget_grants_a_request_alone_all_its_drafts():
     wide = SpecPolicy(16, min_accept_prob=0.3).calibrated(slow)
     assert (wide.max_batched_tokens, wide.max_tokens_alone) == (9, 17)
     assert [wide.max_drafts_for_batch(n) for n in (1, 2, 3, 4, 8)] == [16, 3, 2, 1, 0]
+    assert [wide.max_drafts(_req(), n) for n in (1, 2, 3, 4, 8)] == [16, 3, 2, 1, 0]
     narrow = SpecPolicy(4, min_accept_prob=0.3).calibrated(slow)
     assert (narrow.max_batched_tokens, narrow.max_tokens_alone) == (5, 5)
     assert [narrow.max_drafts_for_batch(n) for n in (1, 2, 3)] == [4, 1, 0]
@@ -198,10 +200,14 @@ def test_calibrated_budget_grants_a_request_alone_all_its_drafts():
     gpu = SpecPolicy(16, min_accept_prob=0.3).calibrated(flat)
     assert (gpu.max_batched_tokens, gpu.max_tokens_alone) == (128, 128)
     assert [gpu.max_drafts_for_batch(n) for n in (1, 8, 64)] == [127, 15, 1]
+    assert [gpu.max_drafts(_req(), n) for n in (1, 2, 8, 64)] == [16, 8, 8, 1]
+    uncalibrated = SpecPolicy(16, min_accept_prob=0.3)  # a budget of 64 until warm-up times steps
+    assert [uncalibrated.max_drafts(_req(), n) for n in (1, 2, 8, 16, 64)] == [16, 8, 7, 3, 0]
     # a budget given (not calibrated) applies to a request alone too
     given = SpecPolicy(16, max_batched_tokens=6, min_accept_prob=0.3)
     assert given.max_drafts_for_batch(1) == 5
     assert given.max_drafts(_req(), 1) == 5
+    assert wide.max_drafts(_req(spec_enabled=False), 1) == 0
 
 
 def test_calibration_sets_the_budget_from_timed_steps(tiny_ngram_llm, monkeypatch):

@@ -24,10 +24,12 @@ limit and max_tokens:
    than min(K, SHARED_DRAFTS) + 1, and for a request alone in the engine never less than K + 1,
    its full verification. Where a step's time grows with its tokens from the start (a small
    CPU), single streams then speculate (rule 1 weighs what it costs) and batches mostly do not:
-   two requests share 9 tokens, 3 drafts each, eight none. The floor for shared steps stops at
-   SHARED_DRAFTS + 1 because a floor of 17 (K = 16) let each of 8 requests verify a draft, at a
-   loss on a 2-core CPU (docs/performance.md, "What is left"). Where steps stay latency-bound to
-   hundreds of tokens (a GPU, a small model) batches speculate too.
+   two requests share 9 tokens, 3 drafts each, eight none. Where steps stay latency-bound to
+   hundreds of tokens (a GPU, a small model) batches speculate too. Requests that share a step
+   have at most SHARED_DRAFTS (8) drafts each, and the floor for them stops at SHARED_DRAFTS + 1:
+   K = 16 pays for a copy in a single stream (docs/performance.md, "What is left"), but a floor
+   of 17 let each of 8 requests verify a draft, at a loss on a 2-core CPU. So batches get what
+   they got when K was 8, calibrated or not.
 
 Once the engine has timed its steps (`calibrated`), rule 1 also weighs what the drafts cost: of
 the k that rule allows, it takes the one with the most expected tokens per unit of step time,
@@ -74,7 +76,7 @@ PROBE_INTERVAL = 8  # decode steps between one-draft probes of a request at k = 
 MIN_GAIN = 1.1  # with measured step times: drafts only where they promise this x the tokens/s
 PROBE_OVERHEAD = 0.02  # with measured step times: the share of time a fruitless probe may cost
 LONG_MATCH = 4  # a prompt-lookup match this long or longer is a copy in progress (see above)
-SHARED_DRAFTS = 8  # rule 2's calibrated floor grants requests that share a step this many drafts
+SHARED_DRAFTS = 8  # the most drafts a request has in a step it shares (rule 2; see above)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,10 +194,14 @@ class SpecPolicy:
 
     def max_drafts(self, req: Request, num_requests: int) -> int:
         """The most drafts `req` may have with `num_requests` running or waiting, whatever its
-        match (rule 2 and K; 0 where it does not speculate)."""
+        match (rule 2 and K, SHARED_DRAFTS where others share the step; 0 where it does not
+        speculate)."""
         if not req.spec_enabled:
             return 0
-        return min(self.num_speculative_tokens, self.max_drafts_for_batch(num_requests))
+        big_k = self.num_speculative_tokens
+        if num_requests > 1:
+            big_k = min(big_k, SHARED_DRAFTS)
+        return min(big_k, self.max_drafts_for_batch(num_requests))
 
     def num_drafts(self, req: Request, num_requests: int, match_len: int | None = None) -> int:
         """Drafts to propose for `req` now, with `num_requests` running or waiting; `match_len`:
