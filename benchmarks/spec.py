@@ -14,9 +14,10 @@ the greedy output is identical. Single streams run at each cap of `--max-tokens`
 EOS before it): 64 tokens are the first half of a copy (the code block is ~130 tokens), where the
 answer's opening (a code fence, a sentence before the quote), which no lookup predicts, weighs
 most; 256 lets every answer run to its end, the whole copy a user asked for. Batches of 8 and
-`--batch` requests at once (the same prompts, repeated): throughput with the adaptive policy (speculation shrinks, then switches off, as the
-batch grows: sched/spec_policy.py) vs speculation off, vs speculation forced on at any size (the
-policy's batch rule off), and with the uncalibrated budget of 64 tokens per step. `warmup()`
+`--batch` requests at once (the same prompts, repeated): throughput with the adaptive policy
+(speculation shrinks, then switches off, as the batch grows: sched/spec_policy.py) vs
+speculation off, vs speculation forced on at any size (the policy's batch rule off), and with
+the uncalibrated budget of 64 tokens per step. `warmup()`
 compiles every shape and calibrates the policy's batch budget on this device; untimed passes
 warm the caches; configurations run interleaved `--reps` times and the fastest run of each
 counts, since the machine is shared. Its engine warms up 118 executables, which on Linux need
