@@ -355,6 +355,8 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
   alignas(64) char vtail[PS * D * 4];  // the last page's V, zeros past the context
   alignas(64) float vscale_tail[PS];  // int8: its scales, zeros past the context
   alignas(64) float probs[G][kPages * PS];
+  constexpr int kLines = PS * D * kEsize / 64;  // cache lines of one page's K (or V) block
+  const bool own_fetch = w.first_token == 0;
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t pg0 = k_lo / PS; pg0 * PS < k_hi; pg0 += kPages) {
     const char* kp[kPages];
@@ -393,20 +395,22 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
         }
       }
     }
-    // The next block's pages, fetched while this one is computed (one line of each K and V
-    // block per step of d: a page's blocks are 32 lines in halves, 64 in f32), into L2: the
-    // lines are read a block later, and L2 takes more misses at once than L1 (30 layers over
-    // 16 x 512 tokens, f16: 9.5 -> 9.1 ms).
+    // The next block's pages, fetched into L2 while this one is computed: their K lines spread
+    // evenly over the D steps of the scores, their V lines over the slots of the weighted sum
+    // (L2 takes more misses at once than L1, and a burst of them stalls the loop it sits in:
+    // all lines in the first half of the scores' loop took 1.3x as long over 16 x 512 tokens,
+    // f16). An item of a sequence's later token finds its pages cached by the first token's.
     const char* next[2 * kPages];
     int num_next = 0;
-    for (int j = 0; j < kPages; ++j) {
+    for (int j = 0; j < kPages && own_fetch; ++j) {
       const int64_t pg = pg0 + kPages + j;
       if (pg * PS >= k_hi) break;
       const int64_t block = (layer_block + pages[pg]) * p.k.num_kv_heads + w.head;
       next[num_next++] = kbase + block * block_bytes;
       next[num_next++] = vbase + block * block_bytes;
     }
-    if (num_next == 0 && later != nullptr) {  // the last block: the next item's first one
+    // the last block: the next item's first one
+    if ((pg0 + kPages) * PS >= k_hi && later != nullptr && later->first_token == 0) {
       const int32_t later_q_len = p.cu_q_lens[later->seq + 1] - p.cu_q_lens[later->seq];
       const int64_t later_pos = p.kv_lens[later->seq] - later_q_len + later->first_token;
       const int64_t later_lo =
@@ -419,6 +423,13 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
         next[num_next++] = vbase + block * block_bytes;
       }
     }
+    const int num_next_pages = num_next / 2;
+    // line k of the next pages' K (half 0) or V (half 1) blocks: page k % kPages, line k / kPages
+    const auto fetch = [&](int k0, int k1, int half) {
+      for (int k = k0; k < k1; ++k)
+        if (k % kPages < num_next_pages)
+          _mm_prefetch(next[2 * (k % kPages) + half] + (k / kPages) * 64, _MM_HINT_T1);
+    };
     __m512 s[G][kPages];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < kPages; ++j) s[g][j] = _mm512_setzero_ps();
@@ -430,8 +441,7 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
       }
     }
     for (int d = 0; d < D; ++d) {
-      if (d * 64 < block_bytes)
-        for (int j = 0; j < num_next; ++j) _mm_prefetch(next[j] + d * 64, _MM_HINT_T1);
+      fetch(d * kPages * kLines / D, (d + 1) * kPages * kLines / D, 0);
       __m512 kv[kPages];
       for (int j = 0; j < kPages; ++j) kv[j] = Load16<KIND>(kp[j] + d * PS * kEsize);
       for (int g = 0; g < G; ++g) {
@@ -476,6 +486,8 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
     }
     for (int j = 0; j < used; ++j) {
       for (int t = 0; t < PS; ++t) {
+        const int slot = j * PS + t;  // of used * PS
+        fetch(slot * kPages * kLines / (used * PS), (slot + 1) * kPages * kLines / (used * PS), 1);
         const char* vrow = vp[j] + t * D * kEsize;
         __m512 v[C];
         for (int c = 0; c < C; ++c) v[c] = Load16<KIND>(vrow + c * 16 * kEsize);
