@@ -14,10 +14,11 @@
 // D vector FMAs across the page's keys, and the values are accumulated D-wide. Nothing is
 // gathered into a copy of the context, and a decode row costs what its own context costs,
 // however long the other sequences in the step are.
-// Decode items of the common shapes (page size 16, head_dim 64, GQA group <= 4; any cache dtype, an
-// int8 page's slot scales applied to its scores and its softmax weights) take a faster path,
-// DecodeItem: 4 pages per online-softmax update, the accumulators in AVX-512 registers, the next
-// pages prefetched. Where it applies, every new token is an item of its own, prefill chunks and
+// Decode items of the common shapes (page size 16, head_dim 64; any cache dtype, an int8 page's
+// slot scales applied to its scores and its softmax weights) take a faster path, DecodeItem: 4
+// pages per online-softmax update, the accumulators of up to 4 query heads in AVX-512 registers
+// (a larger GQA group, e.g. Qwen2's 7, is split into items of at most 4 that read the same
+// pages, the later ones from cache), the next pages prefetched. Where it applies, every new token is an item of its own, prefill chunks and
 // verifications included: a token's row is then computed the same way, bit for bit, whatever chunk
 // or step it comes in (speculation and chunking cannot change greedy output, even where a last-bit
 // difference would be amplified: int8 activations round x), and it is faster than the blocks of
@@ -164,6 +165,18 @@ struct Problem {
 
 struct WorkItem {
   int32_t seq, head, first_token, num_tokens;  // tokens of the sequence (relative), this block
+  // the decode path's query heads of KV head `head`: [q0, q0 + nq) of its group (all of a group
+  // of at most 4; a larger group is split into items of at most 4, its rows' accumulators)
+  int32_t q0 = 0, nq = 0;
+};
+
+using DecodeFn = void (*)(const Problem&, const WorkItem&, const WorkItem*);
+
+// The decode path's item for 1-4 query heads of a KV head (by_heads[nq]); all null where the
+// path does not apply (another page size or head_dim, no AVX-512, an int8 cache without scales).
+struct DecodeFns {
+  DecodeFn by_heads[5] = {};
+  explicit operator bool() const { return by_heads[1] != nullptr; }
 };
 
 constexpr int kRows = 4;  // query rows computed together against one page (register block)
@@ -337,7 +350,7 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
   const int64_t token = q_start + w.first_token;
   alignas(64) float q[G][D];
   for (int g = 0; g < G; ++g) {
-    const float* src = p.q + (token * p.num_q_heads + w.head * G + g) * D;
+    const float* src = p.q + (token * p.num_q_heads + w.head * p.group + w.q0 + g) * D;
     for (int d = 0; d < D; ++d) q[g][d] = src[d] * p.sm_scale;
   }
   __m512 acc[G][C];
@@ -356,7 +369,7 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
   alignas(64) float vscale_tail[PS];  // int8: its scales, zeros past the context
   alignas(64) float probs[G][kPages * PS];
   constexpr int kLines = PS * D * kEsize / 64;  // cache lines of one page's K (or V) block
-  const bool own_fetch = w.first_token == 0;
+  const bool own_fetch = w.first_token == 0 && w.q0 == 0;
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t pg0 = k_lo / PS; pg0 * PS < k_hi; pg0 += kPages) {
     const char* kp[kPages];
@@ -410,7 +423,8 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
       next[num_next++] = vbase + block * block_bytes;
     }
     // the last block: the next item's first one
-    if ((pg0 + kPages) * PS >= k_hi && later != nullptr && later->first_token == 0) {
+    if ((pg0 + kPages) * PS >= k_hi && later != nullptr && later->first_token == 0 &&
+        later->q0 == 0) {
       const int32_t later_q_len = p.cu_q_lens[later->seq + 1] - p.cu_q_lens[later->seq];
       const int64_t later_pos = p.kv_lens[later->seq] - later_q_len + later->first_token;
       const int64_t later_lo =
@@ -499,42 +513,37 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
     }
   }
   for (int g = 0; g < G; ++g) {
-    float* dst = p.out + (token * p.num_q_heads + w.head * G + g) * D;
+    float* dst = p.out + (token * p.num_q_heads + w.head * p.group + w.q0 + g) * D;
     const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(acc[g][c], inv));
   }
 }
 
-using DecodeFn = void (*)(const Problem&, const WorkItem&, const WorkItem*);
+template <int KIND>
+DecodeFns DecodeFnsOf() {
+  DecodeFns f;
+  f.by_heads[1] = &DecodeItem<1, KIND>;
+  f.by_heads[2] = &DecodeItem<2, KIND>;
+  f.by_heads[3] = &DecodeItem<3, KIND>;
+  f.by_heads[4] = &DecodeItem<4, KIND>;
+  return f;
+}
 
-// The decode path for this problem, or nullptr where it does not apply.
-DecodeFn ChooseDecode(const Problem& p) {
-  if (p.page_size != 16 || p.head_dim != 64 || p.group < 1 || p.group > 4) return nullptr;
-  int kind;
+// The decode path for this problem, or none where it does not apply.
+DecodeFns ChooseDecode(const Problem& p) {
+  if (p.page_size != 16 || p.head_dim != 64 || p.group < 1) return {};
   switch (p.k.dtype) {
-    case ffi::DataType::F32: kind = 0; break;
-    case ffi::DataType::F16: kind = 1; break;
-    case ffi::DataType::BF16: kind = 2; break;
+    case ffi::DataType::F32: return DecodeFnsOf<0>();
+    case ffi::DataType::F16: return DecodeFnsOf<1>();
+    case ffi::DataType::BF16: return DecodeFnsOf<2>();
     case ffi::DataType::S8:
-      if (p.k.scale == nullptr || p.v.scale == nullptr) return nullptr;
-      kind = 3;
-      break;
-    default: return nullptr;
+      if (p.k.scale == nullptr || p.v.scale == nullptr) return {};
+      return DecodeFnsOf<3>();
+    default: return {};
   }
-#define JAXINFER_CASE(G)                                    \
-  if (p.group == G) {                                       \
-    if (kind == 0) return &DecodeItem<G, 0>;                \
-    if (kind == 1) return &DecodeItem<G, 1>;                \
-    if (kind == 3) return &DecodeItem<G, 3>;                \
-    return &DecodeItem<G, 2>;                               \
-  }
-  JAXINFER_CASE(1) JAXINFER_CASE(2) JAXINFER_CASE(3) JAXINFER_CASE(4)
-#undef JAXINFER_CASE
-  return nullptr;
 }
 #else
-using DecodeFn = void (*)(const Problem&, const WorkItem&, const WorkItem*);
-DecodeFn ChooseDecode(const Problem&) { return nullptr; }
+DecodeFns ChooseDecode(const Problem&) { return {}; }
 #endif
 
 // One work item: rows = its tokens x the query heads of KV head `head`, token-major (row
@@ -653,17 +662,28 @@ ffi::Error RaggedPagedAttentionImpl(
   p.sliding_window = sliding_window;
 
   const int32_t real = std::min<int64_t>(num_seqs.typed_data()[0], num_seq_slots);
-  const DecodeFn decode = ChooseDecode(p);
+  const DecodeFns decode = ChooseDecode(p);
+  // the decode path's items of one KV head: its group's query heads in parts of at most 4, as
+  // even as they go (a group of 7: 4 and 3), each part an item of its own
+  const int64_t parts = (p.group + 3) / 4;
   std::vector<WorkItem> items;
   int64_t work = 0;  // multiply-adds of the scores and the weighted values, an upper bound
   for (int32_t s = 0; s < real; ++s) {
     const int32_t q_len = p.cu_q_lens[s + 1] - p.cu_q_lens[s];
     work += 2 * static_cast<int64_t>(q_len) * p.kv_lens[s] * num_q_heads * head_dim;
     // Where the decode path applies every token is an item of its own (see the top of the file).
-    const int32_t rows_per_item = decode != nullptr ? 1 : kRowBlock;
+    const int32_t rows_per_item = decode ? 1 : kRowBlock;
     for (int32_t t0 = 0; t0 < q_len; t0 += rows_per_item) {
       for (int32_t h = 0; h < num_kv_heads; ++h) {
-        items.push_back(WorkItem{s, h, t0, std::min(rows_per_item, q_len - t0)});
+        if (!decode) {
+          items.push_back(WorkItem{s, h, t0, std::min(rows_per_item, q_len - t0)});
+          continue;
+        }
+        for (int32_t part = 0, q0 = 0; part < parts; ++part) {
+          const int32_t nq = static_cast<int32_t>(p.group / parts + (part < p.group % parts));
+          items.push_back(WorkItem{s, h, t0, 1, q0, nq});
+          q0 += nq;
+        }
       }
     }
   }
@@ -680,9 +700,9 @@ ffi::Error RaggedPagedAttentionImpl(
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t ahead = std::max<int64_t>(1, pool.num_threads());
   jaxinfer::ParallelFor(pool, num_items, work, [&](int64_t i) {
-    if (decode != nullptr && items[i].num_tokens == 1) {
+    if (decode) {
       const WorkItem* later = i + ahead < num_items ? &items[i + ahead] : nullptr;
-      return decode(p, items[i], later);
+      return decode.by_heads[items[i].nq](p, items[i], later);
     }
     thread_local std::vector<float> scratch;
     RunItem(p, items[i], block, scratch);

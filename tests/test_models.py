@@ -320,3 +320,32 @@ def test_smollm2_greedy_continuation_matches_transformers(smollm2):
         logits, cache = forward(ids, positions, cache, md)
         out.append(int(np.asarray(logits)[0].argmax()))
     assert out == ref, (tok.decode(out), tok.decode(ref))
+
+
+def test_gqa_group_of_7_on_the_cpu_kernels_matches_transformers(tmp_path):
+    """Qwen2.5-0.5B's shape of attention (7 query heads a KV head, head_dim 64, 16-token pages):
+    the CPU kernel's decode path splits each group into items of 4 and 3 heads. Through the
+    engine, every prompt token's logprob across two prefill chunks equals transformers'
+    log-softmax, and greedy decoding continues as transformers' does."""
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.ops import resolve_backend
+
+    if resolve_backend("auto") != "cpu":
+        pytest.skip("the C++ CPU kernels are not built here")
+    path = save_tiny_model("qwen2", tmp_path / "qwen2", hidden_size=448, num_attention_heads=7,
+                           num_key_value_heads=1, intermediate_size=128, num_hidden_layers=1)
+    hf = __import__("transformers").AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32).eval()
+    llm = LLM(path, page_size=16, num_pages=16, max_num_seqs=2, max_num_batched_tokens=32,
+              max_model_len=128)
+    assert llm.engine.runner.attention_backend == "cpu"
+    prompt = np.random.default_rng(5).integers(3, 300, 50).tolist()
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    (out,) = llm.generate([prompt], sp, use_tqdm=False)
+    ref = torch.log_softmax(torch.tensor(hf_logits(hf, prompt)[:-1]), dim=-1).numpy()
+    ours = [e.logprob for e in out.prompt_logprobs[1:]]
+    np.testing.assert_allclose(ours, ref[np.arange(len(prompt) - 1), prompt[1:]], atol=2e-4)
+    with torch.no_grad():
+        greedy = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                             dtype=torch.long), max_new_tokens=8, do_sample=False)
+    assert out.outputs[0].token_ids == greedy[0, len(prompt):].tolist()

@@ -81,13 +81,14 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
     assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
 
 
-@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7, 8])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (37, None), (None, 2.0),
                                                      (70, 5.0), (1, None)])
 def test_decode_blocks(group, dtype, sliding_window, soft_cap):
-    """Decode rows at page size 16, head_dim 64, GQA groups up to 4 (the register path, several
-    pages per softmax update): contexts that end inside a page, on a page boundary, inside and
+    """Decode rows at page size 16, head_dim 64 (the register path, several pages per softmax
+    update), GQA groups up to 4 in one item and larger ones split into items of at most 4 (5: 3
+    + 2, 7: 4 + 3, 8: 4 + 4): contexts that end inside a page, on a page boundary, inside and
     past a block of pages, with a window that starts inside one; a 33-token prefill's last
     block is one token too."""
     kv_lens = [1, 15, 16, 17, 63, 64, 65, 130, 200, 333, 40]
@@ -200,13 +201,14 @@ def test_all_padding_batch_returns_zeros():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
-def test_a_tokens_row_is_the_same_bit_for_bit_in_any_chunk_or_step(dtype):
+@pytest.mark.parametrize("group", [3, 7])
+def test_a_tokens_row_is_the_same_bit_for_bit_in_any_chunk_or_step(dtype, group):
     """A sequence's 1 + 4 new tokens (a speculative verification) and a 20-token prefill chunk
     beside a decode: each row is exactly the row a step of that token alone gives, so neither
     speculation nor chunking can change greedy output (a last-bit difference would, under int8
-    activations)."""
+    activations). A group of 7 (Qwen2's) takes the same path in two items per KV head."""
     batch = make_paged_batch(21, q_lens=[5, 1, 20], kv_lens=[70, 33, 20], page_size=16,
-                             head_dim=64, num_kv_heads=3, group=3, num_seqs_pad=4,
+                             head_dim=64, num_kv_heads=3, group=group, num_seqs_pad=4,
                              num_tokens_pad=32)
     batch = batch._replace(k_cache=batch.k_cache.astype(dtype), v_cache=batch.v_cache.astype(dtype))
     out = run(batch)
