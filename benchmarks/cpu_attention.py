@@ -5,14 +5,14 @@
     git show REV:cpu_kernels/ragged_paged_attention.cc > /tmp/old.cc
     JAX_PLATFORMS=cpu python benchmarks/cpu_attention.py --against /tmp/old.cc
 
-One jitted call runs the kernel on one decode token of each of S sequences with C tokens of
-context (SxC+K: 1 + K tokens each, the last at position C - 1, as in a speculative
-verification), for each of SmolLM2-135M's 30 layers (9 query heads, 3 KV heads, head_dim 64,
-page size 16; `--heads 14,2` gives Qwen2.5-0.5B's heads, a GQA group of 7), each layer's output
-feeding the next layer's queries so that XLA cannot overlap them. The pages of the sequences are a random permutation of the pool (as a long-running
-engine's are). With --against, the kernel built from another source file runs too, interleaved
-round after round with this checkout's, the best round of each kept, so load from other users of
-a shared machine hits both alike. GB/s counts the K and V bytes the call reads.
+One jitted call runs the kernel on one decode token of each of S sequences with C tokens of context
+(SxC+K: 1 + K tokens each, the last at position C - 1, as in a speculative verification), for each
+of SmolLM2-135M's 30 layers (9 query heads, 3 KV heads, head_dim 64, page size 16; `--heads 14,2`
+gives Qwen2.5-0.5B's heads, a GQA group of 7), each layer's output feeding the next layer's queries
+so that XLA cannot overlap them. The pages of the sequences are a random permutation of the pool (as
+a long-running engine's are). With --against, the kernel built from another source file runs too,
+interleaved round after round with this checkout's, the best round of each kept, so load from other
+users of a shared machine hits both alike. GB/s counts the K and V bytes the call reads.
 """
 
 from __future__ import annotations

@@ -16,14 +16,15 @@
 // however long the other sequences in the step are.
 // Decode items of the common shapes (page size 16, head_dim 64; any cache dtype, an int8 page's
 // slot scales applied to its scores and its softmax weights) take a faster path, DecodeItem: 4
-// pages per online-softmax update, the accumulators of up to 4 query heads in AVX-512 registers
-// (a larger GQA group, e.g. Qwen2's 7, is split into items of at most 4 that read the same
-// pages, the later ones from cache), the next pages prefetched. Where it applies, every new token is an item of its own, prefill chunks and
-// verifications included: a token's row is then computed the same way, bit for bit, whatever chunk
-// or step it comes in (speculation and chunking cannot change greedy output, even where a last-bit
-// difference would be amplified: int8 activations round x), and it is faster than the blocks of
-// rows too (a 512-token chunk over 512 positions: 9.5 -> 3.8 ms a layer with a float32 cache,
-// 8.8 -> 2.1 with float16; the G query heads of a KV head still share each key and value read).
+// pages per online-softmax update, the accumulators of up to 4 query heads in AVX-512 registers (a
+// larger GQA group, e.g. Qwen2's 7, is split into items of at most 4 that read the same pages, the
+// later ones from cache), the next pages prefetched. Where it applies, every new token is an item
+// of its own, prefill chunks and verifications included: a token's row is then computed the same
+// way, bit for bit, whatever chunk or step it comes in (speculation and chunking cannot change
+// greedy output, even where a last-bit difference would be amplified: int8 activations round x),
+// and it is faster than the blocks of rows too (a 512-token chunk over 512 positions: 9.5 -> 3.8 ms
+// a layer with a float32 cache, 8.8 -> 2.1 with float16; the G query heads of a KV head still share
+// each key and value read).
 //
 // Work items are spread over XLA's intra-op thread pool (the calling thread takes items too).
 // int8 caches carry one f32 scale per (layer, page, KV head, slot); float16/bfloat16 caches are
@@ -168,6 +169,9 @@ struct WorkItem {
   // the decode path's query heads of KV head `head`: [q0, q0 + nq) of its group (all of a group
   // of at most 4; a larger group is split into items of at most 4, its rows' accumulators)
   int32_t q0 = 0, nq = 0;
+  // the first of the decode items reading these pages (a later token's, or a later part of
+  // the group's, finds them in cache: it prefetches nothing, nor does the item before it for it)
+  bool first_reader() const { return first_token == 0 && q0 == 0; }
 };
 
 using DecodeFn = void (*)(const Problem&, const WorkItem&, const WorkItem*);
@@ -369,7 +373,7 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
   alignas(64) float vscale_tail[PS];  // int8: its scales, zeros past the context
   alignas(64) float probs[G][kPages * PS];
   constexpr int kLines = PS * D * kEsize / 64;  // cache lines of one page's K (or V) block
-  const bool own_fetch = w.first_token == 0 && w.q0 == 0;
+  const bool own_fetch = w.first_reader();
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t pg0 = k_lo / PS; pg0 * PS < k_hi; pg0 += kPages) {
     const char* kp[kPages];
@@ -423,8 +427,7 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
       next[num_next++] = vbase + block * block_bytes;
     }
     // the last block: the next item's first one
-    if ((pg0 + kPages) * PS >= k_hi && later != nullptr && later->first_token == 0 &&
-        later->q0 == 0) {
+    if ((pg0 + kPages) * PS >= k_hi && later != nullptr && later->first_reader()) {
       const int32_t later_q_len = p.cu_q_lens[later->seq + 1] - p.cu_q_lens[later->seq];
       const int64_t later_pos = p.kv_lens[later->seq] - later_q_len + later->first_token;
       const int64_t later_lo =
