@@ -18,21 +18,19 @@ SMALL = dict(max_num_batched_tokens=2)
 def test_draft_model_steps_are_compiled_not_loaded(tiny_llama_dir, tmp_path, monkeypatch, caplog):
     """The draft step (target + draft model, three donated caches) never goes through the
     executable cache (loading its serialized form crashed jaxlib in a process that had run other
-    engines): a second engine compiles every bucket again, writes nothing, and gives the same
-    tokens."""
+    engines): an engine with the cache on compiles every bucket, loads none and writes nothing,
+    before and after its steps run, so no later engine can load one either."""
     from tests.tiny_models import save_tiny_model
 
     draft_dir = save_tiny_model("llama", tmp_path / "draft", seed=1, num_hidden_layers=1)
     spec = dict(speculative_method="draft", draft_model=draft_dir, num_speculative_tokens=1,
                 spec_max_batched_tokens=16, **SMALL)
-    first = _cached_llm(tiny_llama_dir, tmp_path / "cache", monkeypatch, **spec)
-    expected = _outputs(first)  # compiled, as an engine without the cache would
-    n = first.engine.metrics.num_compilations
-    assert n == _num_buckets(first)
-    assert not list((tmp_path / "cache").glob("*/*.jaxexe"))
-    caplog.clear()
     with caplog.at_level(logging.INFO, logger="jaxinfer.runtime.runner"):
-        second = _cached_llm(tiny_llama_dir, tmp_path / "cache", monkeypatch, **spec)
+        llm = _cached_llm(tiny_llama_dir, tmp_path / "cache", monkeypatch, **spec)
     assert "loaded a step for" not in caplog.text, caplog.text[-3000:]
-    assert caplog.text.count("compiled a step for") == n, caplog.text[-3000:]
-    assert _outputs(second) == expected
+    n = llm.engine.metrics.num_compilations
+    assert n == _num_buckets(llm) and caplog.text.count("compiled a step for") == n
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert [len(tokens) for tokens, _ in _outputs(llm)] == [6, 6, 6]  # PARAMS' max_tokens
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert llm.engine.metrics.num_compilations == n

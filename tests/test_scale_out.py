@@ -16,11 +16,18 @@ from tests.tiny_models import save_tiny_model
 _ROOT = Path(__file__).resolve().parent.parent
 
 
+def _xla_flags(*extra: str) -> str:
+    """This session's XLA_FLAGS (tests/conftest.py's) without a device count, plus `extra`."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join(kept + list(extra))
+
+
 def run_checks(num_devices: int, model_dir: str, *checks: str, timeout: float = 600) -> str:
     """Runs `python -m tests.scale_out_checks model_dir checks...` on `num_devices` fake CPU
     devices; returns its stdout, failing the test with its output when it fails."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+               XLA_FLAGS=_xla_flags(f"--xla_force_host_platform_device_count={num_devices}"),
                PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "tests.scale_out_checks", model_dir, *checks],
                           cwd=_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -156,7 +163,7 @@ def _two_processes(model_dir: str, check: str, timeout: float = 600) -> list[tup
                        JAXINFER_PROCESS_ID=str(pid),
                        JAXINFER_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                        PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            env.pop("XLA_FLAGS", None)
+            env["XLA_FLAGS"] = _xla_flags()  # one device each
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             logs.append((out, err))
             procs.append(subprocess.Popen(
