@@ -14,17 +14,18 @@
 // D vector FMAs across the page's keys, and the values are accumulated D-wide. Nothing is
 // gathered into a copy of the context, and a decode row costs what its own context costs,
 // however long the other sequences in the step are.
-// Decode items of the common shapes (page size 16, head_dim 64; any cache dtype, an int8 page's
-// slot scales applied to its scores and its softmax weights) take a faster path, DecodeItem: 4
-// pages per online-softmax update, the accumulators of up to 4 query heads in AVX-512 registers (a
-// larger GQA group, e.g. Qwen2's 7, is split into items of at most 4 that read the same pages, the
-// later ones from cache), the next pages prefetched. Where it applies, every new token is an item
-// of its own, prefill chunks and verifications included: a token's row is then computed the same
-// way, bit for bit, whatever chunk or step it comes in (speculation and chunking cannot change
-// greedy output, even where a last-bit difference would be amplified: int8 activations round x),
-// and it is faster than the blocks of rows too (a 512-token chunk over 512 positions: 9.5 -> 3.8 ms
-// a layer with a float32 cache, 8.8 -> 2.1 with float16; the G query heads of a KV head still share
-// each key and value read).
+// Decode items of the common shapes (page size 16, head_dim 64 or 128; any cache dtype, an int8
+// page's slot scales applied to its scores and its softmax weights) take a faster path,
+// DecodeItem: 4 pages per online-softmax update, the accumulators of up to 4 query heads (2 at
+// head_dim 128) in AVX-512 registers (a larger GQA group, e.g. Qwen2's 7, is split into items of
+// at most that many heads that read the same pages, the later ones from cache), the next pages
+// prefetched. Where it applies, every new token is an item of its own, prefill chunks and
+// verifications included: a token's row is then computed the same way, bit for bit, whatever
+// chunk or step it comes in (speculation and chunking cannot change greedy output, even where a
+// last-bit difference would be amplified: int8 activations round x), and it is faster than the
+// blocks of rows too (a 512-token chunk over 512 positions: 9.5 -> 3.8 ms a layer with a float32
+// cache, 8.8 -> 2.1 with float16; the G query heads of a KV head still share each key and value
+// read).
 //
 // Work items are spread over XLA's intra-op thread pool (the calling thread takes items too).
 // int8 caches carry one f32 scale per (layer, page, KV head, slot); float16/bfloat16 caches are
@@ -167,7 +168,7 @@ struct Problem {
 struct WorkItem {
   int32_t seq, head, first_token, num_tokens;  // tokens of the sequence (relative), this block
   // the decode path's query heads of KV head `head`: [q0, q0 + nq) of its group (all of a group
-  // of at most 4; a larger group is split into items of at most 4, its rows' accumulators)
+  // of at most DecodeFns::max_heads; a larger group is split into items of at most that many)
   int32_t q0 = 0, nq = 0;
   // the first of the decode items reading these pages (a later token's, or a later part of
   // the group's, finds them in cache: it prefetches nothing, nor does the item before it for it)
@@ -176,10 +177,12 @@ struct WorkItem {
 
 using DecodeFn = void (*)(const Problem&, const WorkItem&, const WorkItem*);
 
-// The decode path's item for 1-4 query heads of a KV head (by_heads[nq]); all null where the
-// path does not apply (another page size or head_dim, no AVX-512, an int8 cache without scales).
+// The decode path's item for 1 .. max_heads query heads of a KV head (by_heads[nq]); all null
+// where the path does not apply (another page size or head_dim, no AVX-512, an int8 cache
+// without scales).
 struct DecodeFns {
   DecodeFn by_heads[5] = {};
+  int max_heads = 0;  // the G whose accumulators and scores fit the 32 registers
   explicit operator bool() const { return by_heads[1] != nullptr; }
 };
 
@@ -285,12 +288,13 @@ PageBlockFn ChoosePageBlock(int64_t page_size, int64_t head_dim) {
 }
 
 #if defined(__AVX512F__)
-// Decode items (one token: the G query heads of a KV head, G <= 4) with page size 16 and
-// head_dim 64 take a path in AVX-512 registers. The G rows' accumulators ([G, 64] floats: 4G
-// vectors) stay in registers over the whole context, and the context is walked kPages pages (64
-// keys) per online-softmax update: the scores of a block are G x kPages independent vector FMA
-// chains over D (one page's 16 keys per vector), then one max, one rescale and one sum per row
-// per block instead of per page. Halves are widened as they are loaded (no buffer).
+// Decode items (one token: the G query heads of a KV head, G <= 4 at head_dim 64, G <= 2 at 128)
+// with page size 16 take a path in AVX-512 registers. The G rows' accumulators ([G, D] floats:
+// GD/16 vectors, at most 16) stay in registers over the whole context, and the context is walked
+// kPages pages (64 keys) per online-softmax update: the scores of a block are G x kPages
+// independent vector FMA chains over D (one page's 16 keys per vector), then one max, one rescale
+// and one sum per row per block instead of per page. Halves are widened as they are loaded (no
+// buffer).
 
 inline __m512 Exp512(__m512 x) {  // exp_approx on 16 lanes
   const __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
@@ -338,11 +342,14 @@ inline __m512 Load16(const void* src) {
   }
 }
 
-alignas(64) const float kZeroPage[16 * 64] = {};  // stands in for pages past the context
+// stands in for pages past the context (the largest page block: 16 slots of 128 f32 values)
+alignas(64) const float kZeroPage[16 * 128] = {};
 
-template <int G, int KIND>
+template <int G, int KIND, int D>
 void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
-  constexpr int PS = 16, D = 64, C = D / 16, kPages = 4;
+  constexpr int PS = 16, C = D / 16, kPages = 4;
+  static_assert(G * C <= 16 && PS * D <= 16 * 128,
+                "more accumulators than registers, or a page larger than kZeroPage");
   constexpr int64_t kEsize = KIND == 0 ? 4 : KIND == 3 ? 1 : 2;
   constexpr bool kScaled = KIND == 3;  // int8: each slot's f32 scales (K: score, V: weight)
   const int32_t q_start = p.cu_q_lens[w.seq];
@@ -522,28 +529,40 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
   }
 }
 
-template <int KIND>
+// head_dim 64: items of up to 4 heads (16 accumulators and 16 scores); 128: up to 2 (16 and 8)
+template <int KIND, int D>
 DecodeFns DecodeFnsOf() {
   DecodeFns f;
-  f.by_heads[1] = &DecodeItem<1, KIND>;
-  f.by_heads[2] = &DecodeItem<2, KIND>;
-  f.by_heads[3] = &DecodeItem<3, KIND>;
-  f.by_heads[4] = &DecodeItem<4, KIND>;
+  f.by_heads[1] = &DecodeItem<1, KIND, D>;
+  f.by_heads[2] = &DecodeItem<2, KIND, D>;
+  f.max_heads = 2;
+  if constexpr (D == 64) {
+    f.by_heads[3] = &DecodeItem<3, KIND, D>;
+    f.by_heads[4] = &DecodeItem<4, KIND, D>;
+    f.max_heads = 4;
+  }
   return f;
+}
+
+template <int D>
+DecodeFns ChooseDecodeOf(const Problem& p) {
+  switch (p.k.dtype) {
+    case ffi::DataType::F32: return DecodeFnsOf<0, D>();
+    case ffi::DataType::F16: return DecodeFnsOf<1, D>();
+    case ffi::DataType::BF16: return DecodeFnsOf<2, D>();
+    case ffi::DataType::S8:
+      if (p.k.scale == nullptr || p.v.scale == nullptr) return {};
+      return DecodeFnsOf<3, D>();
+    default: return {};
+  }
 }
 
 // The decode path for this problem, or none where it does not apply.
 DecodeFns ChooseDecode(const Problem& p) {
-  if (p.page_size != 16 || p.head_dim != 64 || p.group < 1) return {};
-  switch (p.k.dtype) {
-    case ffi::DataType::F32: return DecodeFnsOf<0>();
-    case ffi::DataType::F16: return DecodeFnsOf<1>();
-    case ffi::DataType::BF16: return DecodeFnsOf<2>();
-    case ffi::DataType::S8:
-      if (p.k.scale == nullptr || p.v.scale == nullptr) return {};
-      return DecodeFnsOf<3>();
-    default: return {};
-  }
+  if (p.page_size != 16 || p.group < 1) return {};
+  if (p.head_dim == 64) return ChooseDecodeOf<64>(p);
+  if (p.head_dim == 128) return ChooseDecodeOf<128>(p);
+  return {};
 }
 #else
 DecodeFns ChooseDecode(const Problem&) { return {}; }
@@ -666,9 +685,9 @@ ffi::Error RaggedPagedAttentionImpl(
 
   const int32_t real = std::min<int64_t>(num_seqs.typed_data()[0], num_seq_slots);
   const DecodeFns decode = ChooseDecode(p);
-  // the decode path's items of one KV head: its group's query heads in parts of at most 4, as
-  // even as they go (a group of 7: 4 and 3), each part an item of its own
-  const int64_t parts = (p.group + 3) / 4;
+  // the decode path's items of one KV head: its group's query heads in parts of at most
+  // max_heads, as even as they go (a group of 7: 4 and 3), each part an item of its own
+  const int64_t parts = decode ? (p.group + decode.max_heads - 1) / decode.max_heads : 1;
   std::vector<WorkItem> items;
   int64_t work = 0;  // multiply-adds of the scores and the weighted values, an upper bound
   for (int32_t s = 0; s < real; ++s) {

@@ -322,19 +322,22 @@ def test_smollm2_greedy_continuation_matches_transformers(smollm2):
     assert out == ref, (tok.decode(out), tok.decode(ref))
 
 
-def test_gqa_group_of_7_on_the_cpu_kernels_matches_transformers(tmp_path):
-    """Qwen2.5-0.5B's shape of attention (7 query heads a KV head, head_dim 64, 16-token pages):
-    the CPU kernel's decode path splits each group into items of 4 and 3 heads. Through the
-    engine, every prompt token's logprob across two prefill chunks equals transformers'
-    log-softmax, and greedy decoding continues as transformers' does."""
+@pytest.mark.parametrize("arch,hidden_size,num_heads", [("qwen2", 448, 7), ("llama", 384, 3)])
+def test_gqa_groups_on_the_cpu_kernels_match_transformers(tmp_path, arch, hidden_size, num_heads):
+    """Qwen2.5-0.5B's shape of attention (7 query heads a KV head, head_dim 64, 16-token pages),
+    whose groups the CPU kernel's decode path splits into items of 4 and 3 heads, and a group of
+    3 at head_dim 128 (Llama 3 8B's head size), split into 2 and 1. Through the engine, every
+    prompt token's logprob across two prefill chunks equals transformers' log-softmax, and greedy
+    decoding continues as transformers' does."""
     import transformers
 
     from cpu_kernels.ragged_paged_attention import available
     from jaxinfer import LLM, SamplingParams
 
     assert available(), "the CPU kernel did not build (is a C++ compiler installed?)"
-    path = save_tiny_model("qwen2", tmp_path / "qwen2", hidden_size=448, num_attention_heads=7,
-                           num_key_value_heads=1, intermediate_size=128, num_hidden_layers=1)
+    path = save_tiny_model(arch, tmp_path / arch, hidden_size=hidden_size,
+                           num_attention_heads=num_heads, num_key_value_heads=1,
+                           intermediate_size=128, num_hidden_layers=1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, page_size=16, num_pages=16, max_num_seqs=2, max_num_batched_tokens=32,
               max_model_len=128)

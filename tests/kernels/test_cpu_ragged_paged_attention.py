@@ -81,24 +81,27 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
     assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
 
 
-@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("head_dim,group", [(64, 1), (64, 2), (64, 3), (64, 4), (64, 5), (64, 7),
+                                            (64, 8), (128, 1), (128, 2), (128, 3), (128, 4),
+                                            (128, 6)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (37, None), (None, 2.0),
                                                      (70, 5.0), (1, None)])
-def test_decode_blocks(group, dtype, sliding_window, soft_cap):
-    """Decode rows at page size 16, head_dim 64 (the register path, several pages per softmax
-    update), GQA groups up to 4 in one item and larger ones split into items of at most 4 (5: 3
-    + 2, 7: 4 + 3, 8: 4 + 4): contexts that end inside a page, on a page boundary, inside and
-    past a block of pages, with a window that starts inside one; a 33-token prefill's last
-    block is one token too."""
+def test_decode_blocks(head_dim, group, dtype, sliding_window, soft_cap):
+    """Decode rows at page size 16 (the register path, several pages per softmax update), GQA
+    groups in one item up to 4 heads at head_dim 64 and 2 at 128, larger ones split into items
+    of at most that many (64: 5 -> 3 + 2, 7 -> 4 + 3, 8 -> 4 + 4; 128: 3 -> 2 + 1, 6 -> 2 + 2 +
+    2): contexts that end inside a page, on a page boundary, inside and past a block of pages,
+    with a window that starts inside one; a 33-token prefill's last block is one token too."""
     kv_lens = [1, 15, 16, 17, 63, 64, 65, 130, 200, 333, 40]
     q_lens = [1] * 10 + [33]
-    batch = make_paged_batch(12, q_lens=q_lens, kv_lens=kv_lens, page_size=16, head_dim=64,
+    batch = make_paged_batch(12, q_lens=q_lens, kv_lens=kv_lens, page_size=16, head_dim=head_dim,
                              num_kv_heads=2, group=group, num_seqs_pad=12, num_tokens_pad=48)
     k, v = batch.k_cache.astype(dtype), batch.v_cache.astype(dtype)
     out = run(batch._replace(k_cache=k, v_cache=v), sliding_window=sliding_window,
               soft_cap=soft_cap)
-    ref = ragged_paged_attention_reference(batch.q, k, v, LAYER, *layout(batch), sm_scale=0.125,
+    ref = ragged_paged_attention_reference(batch.q, k, v, LAYER, *layout(batch),
+                                           sm_scale=1.0 / math.sqrt(head_dim),
                                            sliding_window=sliding_window, soft_cap=soft_cap)
     assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
 
@@ -114,9 +117,9 @@ def test_half_precision_caches(dtype):
     assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
 
 
-# head_dim 64 takes the decode path (every token an item of its own), 128 the general one; the
-# scales of slots never written are NaN, which neither may let into a result
-@pytest.mark.parametrize("head_dim", [64, 128])
+# head_dim 64 and 128 take the decode path (every token an item of its own), 32 the general one;
+# the scales of slots never written are NaN, which neither may let into a result
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_int8_pages(head_dim):
     batch = make_paged_batch(6, **MIXED, page_size=16, head_dim=head_dim, num_kv_heads=2, group=4,
                              num_seqs_pad=8, num_tokens_pad=40)
@@ -201,19 +204,20 @@ def test_all_padding_batch_returns_zeros():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
-@pytest.mark.parametrize("group", [3, 7])
-def test_a_tokens_row_is_the_same_bit_for_bit_in_any_chunk_or_step(dtype, group):
+@pytest.mark.parametrize("head_dim,group", [(64, 3), (64, 7), (128, 3)])
+def test_a_tokens_row_is_the_same_bit_for_bit_in_any_chunk_or_step(dtype, head_dim, group):
     """A sequence's 1 + 4 new tokens (a speculative verification) and a 20-token prefill chunk
     beside a decode: each row is exactly the row a step of that token alone gives, so neither
     speculation nor chunking can change greedy output (a last-bit difference would, under int8
-    activations). A group of 7 (Qwen2's) takes the same path in two items per KV head."""
+    activations). A group of 7 (Qwen2's) takes the same path in two items per KV head, a group
+    of 3 at head_dim 128 in two as well."""
     batch = make_paged_batch(21, q_lens=[5, 1, 20], kv_lens=[70, 33, 20], page_size=16,
-                             head_dim=64, num_kv_heads=3, group=group, num_seqs_pad=4,
+                             head_dim=head_dim, num_kv_heads=3, group=group, num_seqs_pad=4,
                              num_tokens_pad=32)
     batch = batch._replace(k_cache=batch.k_cache.astype(dtype), v_cache=batch.v_cache.astype(dtype))
     out = run(batch)
     ref = ragged_paged_attention_reference(batch.q, batch.k_cache, batch.v_cache, LAYER,
-                                           *layout(batch), sm_scale=0.125)
+                                           *layout(batch), sm_scale=1.0 / math.sqrt(head_dim))
     assert rel_err(out, ref, batch.num_tokens_real) < F32_TOL
     md = batch.md
     # (sequence, its context up to the token, the token's row in the step)
