@@ -17,7 +17,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 
 def _xla_flags(*extra: str) -> str:
-    """This session's XLA_FLAGS (tests/conftest.py's) without a device count, plus `extra`."""
+    """The suite's XLA_FLAGS (tests/conftest.py's) without a device count, plus `extra`."""
     kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
             if not f.startswith("--xla_force_host_platform_device_count")]
     return " ".join(kept + list(extra))
