@@ -30,7 +30,7 @@ def test_draft_model_steps_are_compiled_not_loaded(tiny_llama_dir, tmp_path, mon
     assert "loaded a step for" not in caplog.text, caplog.text[-3000:]
     n = llm.engine.metrics.num_compilations
     assert n == _num_buckets(llm) and caplog.text.count("compiled a step for") == n
-    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert not list((tmp_path / "cache").rglob("*.jaxexe"))
     assert [len(tokens) for tokens, _ in _outputs(llm)] == [6, 6, 6]  # PARAMS' max_tokens
-    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    assert not list((tmp_path / "cache").rglob("*.jaxexe"))
     assert llm.engine.metrics.num_compilations == n
