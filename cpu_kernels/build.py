@@ -61,8 +61,9 @@ def cpu_flags() -> str:
 def _binary_key(source: bytes, compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     h = hashlib.sha256()
-    for part in (source, version.encode(), jaxlib.__version__.encode(), cpu_flags().encode(),
-                 " ".join(CXX_FLAGS).encode()):
+    headers = [path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.h"))]  # included by all
+    for part in (source, *headers, version.encode(), jaxlib.__version__.encode(),
+                 cpu_flags().encode(), " ".join(CXX_FLAGS).encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:24]
