@@ -3,6 +3,7 @@
 
     python benchmarks/decode.py [--model smollm2-135m] [--batches 1,16,64] [--contexts 32,512]
                                 [--new-tokens 32] [--llama-batched-bench PATH] [--no-llama] [--hf]
+                                [--sync-baseline]
 
 For each batch B and context C: B prompts of C random tokens (distinct, prefix caching off) are
 prefilled, then decoded N more tokens, greedy with EOS ignored. jaxinfer's decode tok/s is
@@ -17,7 +18,9 @@ rates (S_TG, S_PP at B = 1) on the same GGUF with all CPU threads; its first con
 run twice and the first result dropped (it pays for loading the file). Build it with the
 llama.cpp peer build (benchmarks/README.md); its path comes from `--llama-batched-bench` or
 $LLAMA_BATCHED_BENCH. `--hf` adds transformers `generate` on the GGUF dequantized to float32 at
-batch 1 and the largest batch at the smallest context.
+batch 1 and the largest batch at the smallest context. `--sync-baseline` also times each case
+with the same engine's `async_scheduling` off (the host schedules each step only after the one
+before it has returned), runs of the two alternating, and adds their ratio.
 
 The table: one row per (B, C), tok/s of each system and jaxinfer's ratio to llama.cpp; then the
 prefill row.
@@ -26,6 +29,7 @@ prefill row.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -78,26 +82,38 @@ def timed(fn) -> float:
 
 
 def bench_jaxinfer(model: str, batches: list[int], contexts: list[int], new_tokens: int,
-                   engine_kwargs: dict) -> tuple[dict, float]:
-    """({(B, C): decode tok/s}, prefill tok/s of the largest context at B = 1)."""
+                   engine_kwargs: dict, sync_baseline: bool = False) -> tuple[dict, float, dict]:
+    """({(B, C): decode tok/s}, prefill tok/s of the largest context at B = 1, {(B, C): decode
+    tok/s with async_scheduling off} when `sync_baseline`)."""
     from jaxinfer import LLM, SamplingParams
 
     llm = LLM(model, warmup=True, **engine_kwargs)
     prefill_only = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine = llm.engine
+    configs = {True: engine.engine_config}
+    if sync_baseline:  # only the engine's loop reads the setting: the same executables serve both
+        configs[False] = dataclasses.replace(engine.engine_config, async_scheduling="off")
 
-    decode, prefill = {}, 0.0
+    decode, prefill, sync = {}, 0.0, {}
     for c in contexts:
         for b in batches:
             prompts = random_prompts(b, c, seed=b * 100_000 + c)
-            runs = [decode_seconds(llm.engine, prompts, new_tokens, f"{b}x{c}-{i}")
-                    for i in range(3)]  # the first touches every shape of the case: dropped
-            decode[(b, c)] = b * new_tokens / min(runs[1:])
+            runs = {mode: [] for mode in configs}
+            for i in range(3):  # the first touches every shape of the case: dropped
+                for mode, config in configs.items():
+                    engine.engine_config = config
+                    runs[mode].append(decode_seconds(engine, prompts, new_tokens,
+                                                     f"{b}x{c}-{mode}-{i}"))
+            engine.engine_config = configs[True]
+            decode[(b, c)] = b * new_tokens / min(runs[True][1:])
+            if sync_baseline:
+                sync[(b, c)] = b * new_tokens / min(runs[False][1:])
             if b == 1 and c == max(contexts):
                 prefill = max(c / timed(lambda: llm.generate(prompts, prefill_only,
                                                              use_tqdm=False))
                               for _ in range(2))
             print(f"jaxinfer B={b} C={c}: {decode[(b, c)]:.1f} tok/s", flush=True)
-    return decode, prefill
+    return decode, prefill, sync
 
 
 def bench_llama(binary: str, gguf: str, batches: list[int], contexts: list[int],
@@ -157,6 +173,8 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="also transformers generate (slow)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="an EngineConfig setting for jaxinfer (repeatable; values as JSON)")
+    ap.add_argument("--sync-baseline", action="store_true",
+                    help="also decode with async_scheduling off, and print the ratio")
     args = ap.parse_args()
     batches = sorted(int(x) for x in args.batches.split(","))
     contexts = sorted(int(x) for x in args.contexts.split(","))
@@ -175,8 +193,8 @@ def main() -> None:
             engine_kwargs[key] = json.loads(value)
         except json.JSONDecodeError:
             engine_kwargs[key] = value
-    ours, our_prefill = bench_jaxinfer(args.model, batches, contexts, args.new_tokens,
-                                       engine_kwargs)
+    ours, our_prefill, sync = bench_jaxinfer(args.model, batches, contexts, args.new_tokens,
+                                             engine_kwargs, args.sync_baseline)
     llama, llama_prefill = {}, 0.0
     if not args.no_llama:
         gguf = os.path.join(source.path, source.gguf_file) if source.gguf_file else None
@@ -198,16 +216,18 @@ def main() -> None:
 
     print(f"\nDecode, {args.model}, greedy, {args.new_tokens} new tokens after a context of C, "
           f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores, engine {engine_kwargs}")
+    extra = " sync tok/s | async / sync |" if sync else ""
     print("| batch | context | jaxinfer tok/s | llama.cpp tok/s | jaxinfer / llama.cpp | "
-          "transformers tok/s |")
-    print("|---|---|---|---|---|---|")
+          "transformers tok/s |" + extra)
+    print("|---|---|---|---|---|---|" + "---|---|" * bool(sync))
     for c in contexts:
         for b in batches:
             k = (b, c)
+            more = f" {cell(sync[k])} | {ratio(ours[k], sync[k])} |" if sync else ""
             print(f"| {b} | {c} | {cell(ours[k])} | {cell(llama.get(k))} | "
-                  f"{ratio(ours[k], llama.get(k))} | {cell(hf.get(k))} |")
+                  f"{ratio(ours[k], llama.get(k))} | {cell(hf.get(k))} |" + more)
     print(f"| prefill, 1 x {max(contexts)} tokens | | {cell(our_prefill)} | {cell(llama_prefill)} "
-          f"| {ratio(our_prefill, llama_prefill)} | |")
+          f"| {ratio(our_prefill, llama_prefill)} | |" + " | |" * bool(sync))
 
 
 if __name__ == "__main__":

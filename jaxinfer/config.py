@@ -237,6 +237,10 @@ class EngineConfig:
     background_max_num_batched_tokens: int = 16
     # seconds the background share stays capped after the last interactive request left
     background_linger_s: float = 1.0
+    # schedule each step while the one before it runs, so the host's work hides behind the
+    # device's (steps whose tokens decide the next one wait: speculation, grammars, penalties);
+    # auto: always on an accelerator, on a CPU (its cores run the step too) after small steps only
+    async_scheduling: Literal["auto", "on", "off"] = "auto"
     # weights: none: every weight in dtype; auto: as none, and on a CPU a GGUF file's Q8_0/Q4_0/
     # Q4_1 tensors also as stored, read by the steps of a few rows (faster decode, the same
     # weights); int8/int4: quantized (a GGUF tensor of that kind kept as stored)

@@ -14,6 +14,8 @@ from typing import Any
 
 from jaxinfer.sampling_params import SamplingParams
 
+PLACEHOLDER_TOKEN_ID = -1  # an output token not yet known: a step still running samples it
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -131,6 +133,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     admission_index: int = -1  # order of (re)admission; the highest is preempted first
+    has_placeholder: bool = False  # the last output token is PLACEHOLDER_TOKEN_ID (see below)
 
     # -- timing (time.monotonic seconds) ----------------------------------------------------
     first_scheduled_time: float | None = None
@@ -189,11 +192,32 @@ class Request:
         return scored - 1 if scored < self.num_prompt_tokens else None
 
     def append_output_token(self, token_id: int, now: float) -> None:
-        self.output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
+        """Appends a sampled token, or puts it in the placeholder's place."""
+        if self.has_placeholder:
+            self.output_token_ids[-1] = self._all_token_ids[-1] = token_id
+            self.has_placeholder = False
+        else:
+            self.output_token_ids.append(token_id)
+            self._all_token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
         self.last_token_time = now
+
+    def append_placeholder(self) -> None:
+        """Holds the place of the token a step still running samples, so the next step can be
+        scheduled before it is known (scheduling ahead, sched/scheduler.py): counted as generated,
+        PLACEHOLDER_TOKEN_ID until `append_output_token` fills it in."""
+        assert not self.has_placeholder, f"{self.request_id=} already has a placeholder"
+        self.output_token_ids.append(PLACEHOLDER_TOKEN_ID)
+        self._all_token_ids.append(PLACEHOLDER_TOKEN_ID)
+        self.has_placeholder = True
+
+    def drop_placeholder(self) -> None:
+        """Takes the placeholder back (the request ended before its token came)."""
+        if self.has_placeholder:
+            self.output_token_ids.pop()
+            self._all_token_ids.pop()
+            self.has_placeholder = False
 
     # -- status -----------------------------------------------------------------------------
     def is_finished(self) -> bool:

@@ -20,11 +20,13 @@ from jaxinfer.request import Request, RequestOutput
 from jaxinfer.runtime.draft_model import DraftModel, load_draft_model
 from jaxinfer.runtime.mesh import engine_mesh, smallest_free_bytes, tp_size
 from jaxinfer.runtime.multihost import MultiHostRunner, is_multi_process
-from jaxinfer.runtime.runner import ModelRunner, device_memory_bytes_free, kv_dtype_of, param_bytes
+from jaxinfer.runtime.runner import (ModelRunner, PendingStep, device_memory_bytes_free,
+                                     kv_dtype_of, param_bytes)
 from jaxinfer.runtime.sharding import check_tensor_parallel, shard_model
 from jaxinfer.runtime.spec_decode import DraftProposer
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.sched.buckets import StepBuckets
+from jaxinfer.sched.output import AheadStep, SchedulerOutput
 from jaxinfer.sched.scheduler import Scheduler
 from jaxinfer.sched.spec_policy import SpecPolicy
 from jaxinfer.sched.stats import SchedulerStats
@@ -35,6 +37,14 @@ from jaxinfer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 CALIBRATION_REPEATS = 3  # timings of each step shape for speculation; the fastest is kept
+# async_scheduling="auto" on a CPU: the next step is scheduled while one runs only if that one
+# has at most this many tokens and this much attention context (its sequences' lengths summed).
+# The host's Python then works on a core the step leaves idle; after a larger step, which keeps
+# both cores of a 2-core machine busy, it slows the step down by more than it saves (measured:
+# 1.05-1.11x at 1-16 sequences of 32 tokens and 1 of 512, 1.00x at 4 x 512, 0.94x at 16 x 512;
+# docs/performance.md).
+CPU_AHEAD_MAX_TOKENS = 16
+CPU_AHEAD_MAX_CONTEXT = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +56,7 @@ class EngineMetrics(SchedulerStats):
     num_draft_tokens_total: int = 0
     num_accepted_tokens_total: int = 0
     num_spec_steps_total: int = 0  # verifications of at least one draft
+    num_ahead_steps_total: int = 0  # steps scheduled while the one before ran (async_scheduling)
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -96,6 +107,7 @@ class LLMEngine:
                                    policy=self.engine_config.scheduling_policy,
                                    spec_policy=SpecPolicy.from_config(self.engine_config))
         self.outputs = OutputProcessor(self.tokenizer)
+        self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # started, not yet seen
         self.grammars = GrammarCompiler(self.tokenizer.hf_tokenizer, self.model_config.vocab_size,
                                         eos_ids)
         not_pallas = self.runner.attention_backend != "pallas"
@@ -251,31 +263,69 @@ class LLMEngine:
     def step(self, detokenize: bool = True) -> list[RequestOutput]:
         """One scheduling step: runs the batch, returns the updated requests' outputs. With
         `detokenize=False` the outputs carry token ids only (empty text) and stop strings are
-        the caller's to check (engine/outputs.py's TextTracker; `finish_request` ends a request)."""
-        sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
-            return []
+        the caller's to check (engine/outputs.py's TextTracker; `finish_request` ends a request).
+
+        With `async_scheduling` the next step is scheduled while this one runs and started as
+        soon as this one's tokens are back, before this returns (`Scheduler.schedule_ahead`): the
+        host's work (outputs, stops, scheduling, step inputs) overlaps the device's, and the
+        next call returns that step's outputs."""
+        if self._inflight is None:
+            sched_out = self.scheduler.schedule()
+            if sched_out.is_empty:
+                return []
+            try:
+                self._start(sched_out, self._step_input(sched_out))
+            except Exception as e:  # noqa: BLE001 - a compile error, out of memory, a bug
+                raise self._recover(sched_out, e) from e
+        (sched_out, pending), self._inflight = self._inflight, None
+        ahead = None
         try:
-            step_input = make_step_input(sched_out, self.engine_config, self.max_model_len,
-                                         buckets=self.buckets)
-            runner_out = self.runner.execute(step_input)
+            if self._schedules_ahead(sched_out):
+                ahead = self.scheduler.schedule_ahead(sched_out)
+                ahead_input = None if ahead is None else self._step_input(ahead.sched_out)
+            runner_out = pending.result()
+            if ahead is not None:
+                ahead.fill_tokens(ahead_input.input_ids, runner_out)
+                self._start(ahead.sched_out, ahead_input)
             updated = self.scheduler.update(sched_out, runner_out)
             if self.proposer is not None:
                 self.proposer.propose(sched_out, runner_out, updated, self.scheduler)
         except Exception as e:  # noqa: BLE001 - an XLA runtime error, out of memory, a bug
-            raise self._recover(sched_out, e) from e
+            raise self._recover(sched_out, e, ahead) from e
         if detokenize:  # a stop string ends its request now, before the outputs are made
             for request_id, stop in self.outputs.update_text(updated):
                 self.scheduler.finish_request(request_id, "stop", stop_reason=stop)
         return self.outputs.process(updated, detokenize=detokenize)
 
-    def _recover(self, sched_out, exc: Exception) -> StepFailed:
-        """After a failed step: ends the step's requests (their pages freed), re-allocates the KV
-        cache if the step consumed it (then every running request is recomputed: its K/V went
-        with the cache) and drops the prefix cache's unused pages, in case a page the step wrote
-        holds garbage. The engine can then step again; the returned StepFailed names the ended
-        requests."""
-        failed = [item.request.request_id for item in sched_out.scheduled]
+    def _schedules_ahead(self, running: SchedulerOutput) -> bool:
+        """Whether to schedule the next step while `running` runs (async_scheduling)."""
+        mode = self.engine_config.async_scheduling
+        if mode != "auto":
+            return mode == "on"
+        if jax.default_backend() != "cpu":
+            return True  # the host's cores are free while the device works
+        context = sum(item.kv_len for item in running.scheduled)
+        return (running.num_batched_tokens <= CPU_AHEAD_MAX_TOKENS
+                and context <= CPU_AHEAD_MAX_CONTEXT)
+
+    def _step_input(self, sched_out: SchedulerOutput):
+        return make_step_input(sched_out, self.engine_config, self.max_model_len,
+                               buckets=self.buckets)
+
+    def _start(self, sched_out: SchedulerOutput, step_input) -> None:
+        """Starts a step (the device runs it while the host goes on): the in-flight step."""
+        if (step_input.input_ids < 0).any():
+            raise AssertionError("a step input holds a placeholder token")
+        self._inflight = (sched_out, self.runner.dispatch(step_input))
+
+    def _recover(self, sched_out, exc: Exception, ahead: AheadStep | None = None) -> StepFailed:
+        """After a failed step: ends the step's requests (their pages freed; also those of the
+        step scheduled ahead of it, if any), re-allocates the KV cache if the step consumed it
+        (then every running request is recomputed: its K/V went with the cache) and drops the
+        prefix cache's unused pages, in case a page the step wrote holds garbage. The engine can
+        then step again; the returned StepFailed names the ended requests."""
+        items = sched_out.scheduled + ([] if ahead is None else ahead.sched_out.scheduled)
+        failed = list(dict.fromkeys(item.request.request_id for item in items))
         logger.error("a step failed (%s: %s): ending its %d requests", type(exc).__name__, exc,
                      len(failed))
         for request_id in failed:
@@ -347,6 +397,7 @@ class LLMEngine:
             num_draft_tokens_total=self.scheduler.num_draft_tokens_total,
             num_accepted_tokens_total=self.scheduler.num_accepted_tokens_total,
             num_spec_steps_total=self.scheduler.num_spec_steps_total,
+            num_ahead_steps_total=self.scheduler.num_ahead_steps,
         )
 
     def weight_bytes(self) -> int:

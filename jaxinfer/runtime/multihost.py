@@ -108,7 +108,7 @@ def is_multi_process() -> bool:
 
 
 class MultiHostRunner(ModelRunner):
-    """A ModelRunner whose step inputs are global (replicated) arrays, and whose `execute` on the
+    """A ModelRunner whose step inputs are global (replicated) arrays, and whose `dispatch` on the
     leader broadcasts each step to the followers first."""
 
     def __init__(self, *args, **kwargs):
@@ -128,13 +128,17 @@ class MultiHostRunner(ModelRunner):
         level = jax.device_put(np.asarray(level), self._replicated)
         return super()._step_args(buf, level)
 
-    def execute(self, step_input: StepInput):
+    def dispatch(self, step_input: StepInput):
+        """Broadcasts the step, then runs it to the end: a failure is seen here, before the next
+        step is broadcast (the followers would run it), and ends the engine."""
         if self._failure is not None:
             raise RuntimeError(f"the multi-process engine failed: {self._failure}")
         buf, layout = step_input.pack()
         try:
             _broadcast(_STEP, buf, layout, int(logprob_level(step_input)))
-            return super().execute(step_input)
+            pending = super().dispatch(step_input)
+            pending.result()
+            return pending
         except Exception as e:
             self._failure = _describe(e)
             raise RuntimeError(f"the multi-process engine failed: {self._failure}") from e

@@ -111,6 +111,11 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------------
     def execute(self, step_input: StepInput) -> RunnerOutput:
         """Runs one step on a host StepInput (numpy, padded); returns the sampled rows."""
+        return self.dispatch(step_input).result()
+
+    def dispatch(self, step_input: StepInput) -> PendingStep:
+        """Starts one step (JAX runs it asynchronously; a new shape compiles first) and returns
+        at once: the host can prepare the next step while this one runs."""
         flags = self.flags
         buf, layout = step_input.pack()
         signature = (layout, flags)
@@ -123,22 +128,13 @@ class ModelRunner:
             memory_maps.check_room(1, self.maps_per_executable)
         result = compiled(*args) if compiled is not None else self._step(*args, layout, flags)
         out, draft_ids = self._keep_caches(result)
-        packed, draft_ids = jax.device_get((out, draft_ids))  # one array (two with a draft model)
-        host = unpack_output(packed)
         if is_new:
             self._seen_signatures.add(signature)
             self.num_compilations += 1
             dt = time.perf_counter() - t0
             self.compile_seconds += dt
             logger.info("compiled a step for (T, S, P)=%s %s in %.1f s", step_input.shape, flags, dt)
-        n, want = step_input.num_rows, int(level) >= TOP_LOGPROBS
-        return RunnerOutput(
-            token_ids=np.ascontiguousarray(host.token_ids[:n]),
-            logprobs=np.ascontiguousarray(host.logprobs[:n]),
-            top_token_ids=np.ascontiguousarray(host.top_token_ids[:n]) if want else None,
-            top_logprobs=np.ascontiguousarray(host.top_logprobs[:n]) if want else None,
-            draft_token_ids=None if draft_ids is None else np.asarray(draft_ids),
-        )
+        return PendingStep(out, draft_ids, step_input.num_rows, int(level) >= TOP_LOGPROBS)
 
     def _step_args(self, buf: np.ndarray | jax.Array, level: np.int32) -> tuple:
         """The step's arguments besides the static ones (the KV caches are donated)."""
@@ -269,6 +265,31 @@ class ModelRunner:
         dt = time.perf_counter() - t0
         logger.info("%s a step for (T, S, P)=%s %s in %.2f s", how, step_input.shape, flags, dt)
         return compiled, dt
+
+
+class PendingStep:
+    """A dispatched step: `result()` waits for it and copies its sampled rows to the host (one
+    array, two with a draft model)."""
+
+    def __init__(self, out, draft_ids, num_rows: int, top_logprobs: bool):
+        self._device = (out, draft_ids)
+        self._num_rows = num_rows
+        self._top_logprobs = top_logprobs
+        self._result: RunnerOutput | None = None
+
+    def result(self) -> RunnerOutput:
+        if self._result is None:
+            packed, draft_ids = jax.device_get(self._device)
+            host, n, want = unpack_output(packed), self._num_rows, self._top_logprobs
+            self._device = None
+            self._result = RunnerOutput(
+                token_ids=np.ascontiguousarray(host.token_ids[:n]),
+                logprobs=np.ascontiguousarray(host.logprobs[:n]),
+                top_token_ids=np.ascontiguousarray(host.top_token_ids[:n]) if want else None,
+                top_logprobs=np.ascontiguousarray(host.top_logprobs[:n]) if want else None,
+                draft_token_ids=None if draft_ids is None else np.asarray(draft_ids),
+            )
+        return self._result
 
 
 def _consumed(tree) -> bool:

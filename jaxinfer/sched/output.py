@@ -1,6 +1,7 @@
-"""The step's two host-side records: what `Scheduler.schedule()` decided (`SchedulerOutput`, read
-by `make_step_input` and handed back to `Scheduler.update()`), and what the step sampled
-(`RunnerOutput`, numpy copies the runner returns and `Scheduler.update()` consumes)."""
+"""The step's host-side records: what `Scheduler.schedule()` decided (`SchedulerOutput`, read
+by `make_step_input` and handed back to `Scheduler.update()`), what the step sampled
+(`RunnerOutput`, numpy copies the runner returns and `Scheduler.update()` consumes), and a step
+scheduled while the one before it runs (`AheadStep`, from `Scheduler.schedule_ahead()`)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,21 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclasses.dataclass(frozen=True)
+class AheadStep:
+    """A step scheduled while the one before it runs (`Scheduler.schedule_ahead`): input token
+    `token_index[i]` of this step is the token the running step samples in row `source_row[i]`
+    (a placeholder until then)."""
+
+    sched_out: SchedulerOutput
+    token_index: np.ndarray  # i64[n] into the step's tokens (StepInput.input_ids)
+    source_row: np.ndarray  # i64[n] into the running step's RunnerOutput.token_ids
+
+    def fill_tokens(self, input_ids: np.ndarray, sampled: RunnerOutput) -> None:
+        """Writes the running step's sampled tokens into this step's `input_ids` (i32[T])."""
+        input_ids[self.token_index] = sampled.token_ids[self.source_row]
 
 
 @dataclasses.dataclass

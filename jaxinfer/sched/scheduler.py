@@ -28,6 +28,20 @@ token and rolls the rejected drafts back by lowering `num_computed_tokens` (thei
 freed). How many drafts a request gets is `spec_policy`'s call (sched/spec_policy.py), capped here
 by the token budget, the context limit and max_tokens; drafts never preempt anyone (no free page:
 no drafts this step).
+
+Scheduling ahead (`schedule_ahead`, the engine's host/device overlap): while step N runs, the step
+after it is scheduled, before N's tokens are known. Each request N samples for gets a placeholder
+token (`Request.append_placeholder`), so it schedules like a decode whose last token is known;
+`AheadStep` says where N's sampled rows go in the new step's input ids, which the engine writes
+once N's tokens are back, before it runs the step; `update(N)` then puts each sampled token in its
+placeholder's place and applies stops as always. A request that stops at N has already been
+scheduled into N + 1: that row computes its last token's K/V (a real token, into its own pages)
+and `update(N + 1)` ignores it. Only a step that the unknown tokens cannot change is scheduled
+ahead: no admissions (the queue is empty, or the sequences are full and nobody is outranked), no
+preemptions (every running request's growth fits the free pages), and no request whose next step
+depends on its tokens (speculation, a grammar, penalties) or on the last update (prompt logprobs
+not yet all scored); otherwise the engine waits for N and
+schedules as usual.
 """
 
 from __future__ import annotations
@@ -39,9 +53,11 @@ import random
 import time
 from typing import Callable, Sequence
 
+import numpy as np
+
 from jaxinfer.config import EngineConfig
 from jaxinfer.request import Request, RequestStatus
-from jaxinfer.sched.output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from jaxinfer.sched.output import AheadStep, RunnerOutput, ScheduledRequest, SchedulerOutput
 from jaxinfer.sched.page_pool import PagePool, extend_page_hashes
 from jaxinfer.sched.page_table import PageTable
 from jaxinfer.sched.spec_policy import SpecPolicy
@@ -121,6 +137,9 @@ class Scheduler:
         self.num_draft_tokens_total = 0
         self.num_accepted_tokens_total = 0
         self.num_spec_steps_total = 0
+        self.num_ahead_steps = 0  # steps scheduled ahead (schedule_ahead)
+        # (the running step, {request_id: its new tokens in the step scheduled ahead of it})
+        self._ahead: tuple[SchedulerOutput, dict[str, int]] | None = None
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -172,16 +191,70 @@ class Scheduler:
             self._preempt(req)
 
     # -- schedule ---------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, may_preempt: bool = True) -> SchedulerOutput:
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        outranked = self._preempt_outranked()
+        outranked = self._preempt_outranked() if may_preempt else []
         budgets = (budget, self._background_budget(budget))
-        self._schedule_running(budgets, scheduled, preempted)
+        self._schedule_running(budgets, scheduled, preempted, may_preempt)
         if not preempted:  # admitting right after a preemption would only thrash
             self._schedule_waiting(budgets, scheduled)
         return self._make_output(scheduled, outranked + preempted)
+
+    def schedule_ahead(self, inflight: SchedulerOutput) -> AheadStep | None:
+        """The step after `inflight` (scheduled, still running), or None where it cannot be
+        known before `inflight`'s tokens are (see the module's docstring). Until
+        `update(inflight, ...)`, each request `inflight` samples for holds a placeholder."""
+        samples = {}  # request_id -> its sampled row in `inflight`
+        row = 0
+        for item in inflight.scheduled:
+            if item.samples and item.request.status is RequestStatus.RUNNING:
+                samples[item.request.request_id] = row + item.num_prompt_rows
+            row += item.num_rows
+        if not self._can_schedule_ahead(samples):
+            return None
+        for req in self.running:
+            if req.request_id in samples:
+                req.append_placeholder()
+        out = self.schedule(may_preempt=False)
+        self._ahead = (inflight, {it.request.request_id: it.num_new_tokens for it in out.scheduled})
+        if out.is_empty:
+            return None
+        token_index, source_row = [], []
+        first = 0  # the item's first token in the step
+        for it in out.scheduled:
+            req = it.request
+            if req.has_placeholder:  # a decode (or a request's first one): its input is the token
+                token_index.append(first + req.num_tokens - 1 - it.num_computed_tokens)
+                source_row.append(samples[req.request_id])
+            first += it.num_new_tokens
+        self.num_ahead_steps += 1
+        return AheadStep(out, token_index=np.asarray(token_index, np.int64),
+                         source_row=np.asarray(source_row, np.int64))
+
+    def _can_schedule_ahead(self, samples: dict[str, int]) -> bool:
+        """Whether the next step is the same whichever tokens are sampled: no speculation,
+        grammars or penalties (they read the tokens), no prompt logprobs still being scored (the
+        next chunk's rows start where `update` left them), no admission or outranking (the queue's
+        head would be admitted, or would preempt someone), and room in the pool for every running
+        request's next chunk (no preemption)."""
+        if self.spec_policy is not None:
+            return False
+        if self.waiting:
+            head = self._rank(self.waiting[0])
+            if (len(self.running) < self.config.max_num_seqs
+                    or any(self._rank(r) > head for r in self.running)):
+                return False
+        need = 0
+        for req in self.running:
+            if (req.grammar is not None or req.sampling_params.has_penalties
+                    or req.next_prompt_logprob_position() is not None):
+                return False  # its next step reads its tokens, or its prompt logprobs so far
+            todo = req.num_tokens + (req.request_id in samples) - req.num_computed_tokens
+            chunk = min(todo, self.config.max_num_batched_tokens)
+            need += max(self._num_pages_for(req.num_computed_tokens + chunk) - len(req.page_ids), 0)
+        return need <= self.pool.num_free_pages
 
     def _background_budget(self, budget: _Budget) -> _Budget:
         """The share of `budget` background requests may use: all of it, unless an interactive
@@ -241,7 +314,7 @@ class Scheduler:
                      + self.pool.num_evictable_among(hit_page_ids))
         return num_pages <= self.pool.num_free_pages
 
-    def _schedule_running(self, budgets, scheduled, preempted) -> None:
+    def _schedule_running(self, budgets, scheduled, preempted, may_preempt=True) -> None:
         step_budget, background_budget = budgets
         # interactive first, and within each kind decodes before prefill chunks
         order = sorted(self.running,
@@ -253,12 +326,15 @@ class Scheduler:
             if budget.exhausted() or req.status is not RequestStatus.RUNNING:
                 continue  # over the background share, or preempted by another one's growth
             num_new = min(req.num_tokens - req.num_computed_tokens, budget.num_tokens)
+            if num_new <= 0:
+                continue  # its token is not back yet (in a step still running; scheduling ahead)
             spec_ids, lookahead = self._spec_plan(req, num_new, budget)
             if (spec_ids or lookahead) and not self._grow_pages(
                     req, req.num_computed_tokens + num_new + len(spec_ids) + lookahead,
                     scheduled, preempted, may_preempt=False):
                 spec_ids, lookahead = [], 0  # drafts never preempt anyone
-            if self._grow_pages(req, req.num_computed_tokens + num_new, scheduled, preempted):
+            if self._grow_pages(req, req.num_computed_tokens + num_new, scheduled, preempted,
+                                may_preempt):
                 scheduled.append(self._take(req, num_new, budget, spec_ids, lookahead))
 
     def _spec_plan(self, req: Request, num_new: int, budget: _Budget) -> tuple[list[int], int]:
@@ -419,11 +495,14 @@ class Scheduler:
         now = self.clock()
         changed = []
         row = 0
+        ahead = self._ahead[1] if self._ahead is not None and self._ahead[0] is sched_out else {}
+        self._ahead = None
         for item in items:
             req, first_row = item.request, row
             row += item.num_rows
             if req.status is not RequestStatus.RUNNING or (
-                    req.num_computed_tokens != item.num_computed_tokens + item.num_new_tokens):
+                    req.num_computed_tokens - ahead.get(req.request_id, 0)
+                    != item.num_computed_tokens + item.num_new_tokens):
                 continue  # finished or aborted after schedule()
             if item.num_prompt_rows:
                 self._record_prompt_logprobs(item, runner_output, first_row)
@@ -439,7 +518,7 @@ class Scheduler:
                 if self.spec_policy is not None and req.spec_enabled:
                     self.spec_policy.observe(req, 0, 0)  # a step without drafts
             status = self._append(req, emitted, runner_output, first_row, now)
-            if req.num_computed_tokens >= req.num_tokens:  # rolled back: K/V past it is dead
+            if item.spec_token_ids and req.num_computed_tokens >= req.num_tokens:  # rolled back
                 req.num_computed_tokens = req.num_tokens - 1
             if req.num_computed_tokens // self.page_size > req.num_registered_pages:
                 self._cache_full_pages(req)
@@ -542,6 +621,7 @@ class Scheduler:
         """By recompute: pages freed (full ones stay cached), back to the front of the queue."""
         self.running.remove(req)
         self._release_pages(req)
+        req.drop_placeholder()
         req.num_computed_tokens = 0
         req.num_lookahead_tokens = 0
         req.spec_token_ids = []
@@ -556,6 +636,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self._release_pages(req)
+        req.drop_placeholder()
         req.status = status
         req.finished_time = self.clock()
         del self._requests[req.request_id]

@@ -82,6 +82,7 @@ class Harness:
         make_buckets = StepBuckets.coarse if coarse_buckets else StepBuckets.from_config
         self.buckets = make_buckets(self.config, max_model_len)
         self.finished: dict[str, Request] = {}
+        self.inflight = None  # (SchedulerOutput, StepInput) started, not yet run (step_ahead)
 
     def add(self, req: Request) -> Request:
         self.sched.add_request(req)
@@ -100,11 +101,41 @@ class Harness:
                 self.finished[r.request_id] = r
         return sched_out, changed
 
-    def run(self, max_steps=1000) -> dict[str, Request]:
+    def step_ahead(self):
+        """The engine's loop with async scheduling: the step after the in-flight one is scheduled
+        before the in-flight one runs (here: at once, when its tokens are asked for); its
+        placeholders get the sampled tokens, then the in-flight step's update."""
+        if self.inflight is None:
+            sched_out = self.sched.schedule()
+            self.sched.check_invariants()
+            if sched_out.is_empty:
+                return sched_out, []
+            self.inflight = (sched_out, self._input(sched_out))
+        (sched_out, si), self.inflight = self.inflight, None
+        ahead = self.sched.schedule_ahead(sched_out)
+        ahead_si = None if ahead is None else self._input(ahead.sched_out)
+        out = self.runner.execute(si, sched_out)
+        if ahead is not None:
+            assert (ahead_si.input_ids[ahead.token_index] == -1).all()
+            ahead.fill_tokens(ahead_si.input_ids, out)
+            assert (ahead_si.input_ids >= 0).all(), "a placeholder is left in the step's input"
+            self.inflight = (ahead.sched_out, ahead_si)
+        changed = self.sched.update(sched_out, out)
+        assert not any(r.has_placeholder for r in self.sched.all_requests())
+        self.sched.check_invariants()
+        for r in changed:
+            if r.is_finished():
+                self.finished[r.request_id] = r
+        return sched_out, changed
+
+    def _input(self, sched_out):
+        return make_step_input(sched_out, self.config, self.max_model_len, buckets=self.buckets)
+
+    def run(self, max_steps=1000, ahead=False) -> dict[str, Request]:
         for _ in range(max_steps):
             if not self.sched.has_unfinished_requests():
                 return self.finished
-            self.step()
+            self.step_ahead() if ahead else self.step()
         raise AssertionError("requests did not finish")
 
 
