@@ -173,13 +173,13 @@ def test_warmup_covers_constrained_verifying_layouts(ngram_llm, monkeypatch):
         engine.engine_config, engine.max_model_len, buckets=engine.buckets,
         bitmask_words=bitmask_words(engine.vocab_size))}
     seen = []
-    execute = engine.runner.execute
+    dispatch = engine.runner.dispatch
 
     def recording(si):
         seen.append(si.pack()[1])
-        return execute(si)
+        return dispatch(si)
 
-    monkeypatch.setattr(engine.runner, "execute", recording)
+    monkeypatch.setattr(engine.runner, "dispatch", recording)
     so = StructuredOutputs(regex=REGEX)
     _, num_draft, _ = _run(ngram_llm, REGEX_PROMPTS + [JSON_PROMPTS[0]],
                            [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=so),

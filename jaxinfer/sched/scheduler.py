@@ -34,9 +34,10 @@ after it is scheduled, before N's tokens are known. Each request N samples for g
 token (`Request.append_placeholder`), so it schedules like a decode whose last token is known;
 `AheadStep` says where N's sampled rows go in the new step's input ids, which the engine writes
 once N's tokens are back, before it runs the step; `update(N)` then puts each sampled token in its
-placeholder's place and applies stops as always. A request that stops at N has already been
-scheduled into N + 1: that row computes its last token's K/V (a real token, into its own pages)
-and `update(N + 1)` ignores it. Only a step that the unknown tokens cannot change is scheduled
+placeholder's place and applies stops as always. A request whose token at N is its last by
+length (max_tokens, the context limit) is left out of N + 1; one that stops at N on a stop token
+has already been scheduled into N + 1: that row computes its last token's K/V (a real token, into
+its own pages) and `update(N + 1)` ignores it. Only a step that the unknown tokens cannot change is scheduled
 ahead: no admissions (the queue is empty, or the sequences are full and nobody is outranked), no
 preemptions (every running request's growth fits the free pages), and no request whose next step
 depends on its tokens (speculation, a grammar, penalties) or on the last update (prompt logprobs
@@ -328,6 +329,8 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget.num_tokens)
             if num_new <= 0:
                 continue  # its token is not back yet (in a step still running; scheduling ahead)
+            if req.has_placeholder and self._length_capped(req):
+                continue  # the token still being sampled is its last (scheduling ahead)
             spec_ids, lookahead = self._spec_plan(req, num_new, budget)
             if (spec_ids or lookahead) and not self._grow_pages(
                     req, req.num_computed_tokens + num_new + len(spec_ids) + lookahead,
@@ -593,10 +596,15 @@ class Scheduler:
             if token_id in sp.stop_token_ids:
                 req.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
-        if req.num_output_tokens >= max_tokens or req.num_tokens >= self.max_model_len:
+        if self._length_capped(req):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+    def _length_capped(self, req: Request) -> bool:
+        """Whether `req` has all the tokens it may have (max_tokens or the context limit)."""
+        sp = req.sampling_params
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
+        return req.num_output_tokens >= max_tokens or req.num_tokens >= self.max_model_len
 
     def _cache_full_pages(self, req: Request) -> None:
         if not self.pool.enable_prefix_caching:

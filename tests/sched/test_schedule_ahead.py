@@ -71,18 +71,46 @@ def test_a_decode_runs_ahead_with_its_token_filled_in():
     assert req.output_token_ids == solo_outputs(prompt(5), max_tokens=4)[:2]
 
 
-def test_a_request_that_stops_is_in_the_step_ahead_and_that_row_is_ignored():
+def test_a_request_at_its_length_cap_is_left_out_of_the_step_ahead():
     h = Harness(num_pages=16, max_model_len=32)
-    req = h.add(make_request("a", prompt(5), max_tokens=2))
+    a = h.add(make_request("a", prompt(5), max_tokens=2))
+    b = h.add(make_request("b", prompt(6, start=20), max_tokens=5))
+    h.step_ahead()
+    ahead_out, _ = h.inflight
+    assert [it.request for it in ahead_out.scheduled] == [a, b]
+    _, changed = h.step_ahead()  # a's second token (max_tokens) is sampled by the step it runs
+    assert a in changed and a.finish_reason() == "length" and a.page_ids == []
+    ahead_out, _ = h.inflight
+    assert [it.request for it in ahead_out.scheduled] == [b]  # a has no step after its last
+    h.run(ahead=True)
+    assert a.output_token_ids == solo_outputs(prompt(5), max_tokens=2)
+    assert b.output_token_ids == solo_outputs(prompt(6, start=20), max_tokens=5)
+    assert h.sched.pool.num_used_pages == 0
+
+    # alone, at the context limit: no step ahead at all, so none runs for nothing
+    h = Harness(num_pages=16, max_model_len=8)
+    c = h.add(make_request("c", prompt(6), max_tokens=100))
+    h.step_ahead()
+    assert h.inflight is not None  # its first decode (position 6)
+    _, changed = h.step_ahead()  # the token at position 7 is its last (max_model_len=8)
+    assert changed == [c] and c.finish_reason() == "length" and h.inflight is None
+    assert c.output_token_ids == solo_outputs(prompt(6), max_model_len=8, max_tokens=100)
+
+
+def test_a_request_that_stops_on_a_token_is_in_the_step_ahead_and_that_row_is_ignored():
+    first, second = solo_outputs(prompt(5), max_tokens=2)
+    assert first != second  # so the stop token ends it at its second token
+    h = Harness(num_pages=16, max_model_len=32)
+    req = h.add(make_request("a", prompt(5), max_tokens=8, stop_token_ids=[second]))
     h.step_ahead()
     _, changed = h.step_ahead()  # its second token ends it; the step after it is in flight
-    assert changed == [req] and req.finish_reason() == "length"
+    assert changed == [req] and req.finish_reason() == "stop"
     assert req.page_ids == [] and h.sched.pool.num_used_pages == 0
     ahead_out, _ = h.inflight
     assert [it.request for it in ahead_out.scheduled] == [req]
     _, changed = h.step_ahead()  # runs the step ahead: nothing more for `req`
     assert changed == [] and len(req.output_token_ids) == 2 and h.inflight is None
-    assert req.output_token_ids == solo_outputs(prompt(5), max_tokens=2)
+    assert req.output_token_ids == [first, second]
 
 
 def test_abort_while_the_step_ahead_runs():

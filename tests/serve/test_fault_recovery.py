@@ -99,6 +99,10 @@ def test_failed_step_ends_its_requests_and_the_engine_recovers(engine, failing, 
     assert engine.scheduler.pool.num_cached_pages > 0  # the prompt's full pages
     engine.add_request("b", PROMPTS[1], GREEDY)
     failing.times = 1
+    # The engine schedules decode steps ahead: a's next step was started by the last call, and
+    # this one returns its token without starting another (b waits for a step of its own).
+    assert [out.request_id for out in engine.step()] == ["a"]
+    assert failing.times == 1
     with pytest.raises(StepFailed, match="RESOURCE_EXHAUSTED") as info:
         engine.step()
     assert set(info.value.request_ids) == {"a", "b"}
@@ -172,6 +176,7 @@ def test_stream_gets_an_error_event_mid_stream(client, engine, failing):
 
 def test_health_is_503_after_repeated_failures_and_200_once_a_step_succeeds(client, engine,
                                                                           failing, reference):
+    errors_before = _step_errors(client)
     failing.times = 10**6
     try:
         for _ in range(3):
@@ -185,8 +190,13 @@ def test_health_is_503_after_repeated_failures_and_200_once_a_step_succeeds(clie
     r = _complete(client, PROMPTS[1])
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference[1][1]
     assert client.get("/health").status_code == 200
-    metrics = client.get("/metrics").text
-    assert any(line.startswith("jaxinfer_engine_step_errors_total ") and float(line.split()[1]) >= 4
-               for line in metrics.splitlines())
+    assert _step_errors(client) == errors_before + 3
     _all_pages_back(engine)
     assert json.loads(client.get("/health").text) == {"status": "ok"}
+
+
+def _step_errors(client) -> float:
+    """The server's count of failed engine steps (/metrics)."""
+    (value,) = [float(line.split()[1]) for line in client.get("/metrics").text.splitlines()
+                if line.startswith("jaxinfer_engine_step_errors_total ")]
+    return value
