@@ -3,7 +3,7 @@
 
     python benchmarks/decode.py [--model smollm2-135m] [--batches 1,16,64] [--contexts 32,512]
                                 [--new-tokens 32] [--llama-batched-bench PATH] [--no-llama] [--hf]
-                                [--sync-baseline]
+                                [--sync-baseline] [--runs 2]
 
 For each batch B and context C: B prompts of C random tokens (distinct, prefix caching off) are
 prefilled, then decoded N more tokens, greedy with EOS ignored. jaxinfer's decode tok/s is
@@ -11,7 +11,7 @@ B * N / (time of the N engine steps after every prompt is prefilled): pure decod
 scheduling and detokenization included (the sequences prefilled first have decoded up to B * C /
 512 tokens by then, while the others prefilled, so the window starts at contexts of C to that much
 more), after an untimed warm-up of every shape bucket; the best
-of two such runs counts. Its prefill tok/s is C / (time to the first token) at B = 1, the
+of `--runs` such runs (2) counts. Its prefill tok/s is C / (time to the first token) at B = 1, the
 best of two.
 `llama-batched-bench` (llama.cpp's own benchmark: `-npp C -ntg N -npl B`) reports the same two
 rates (S_TG, S_PP at B = 1) on the same GGUF with all CPU threads; its first configuration is
@@ -20,7 +20,10 @@ llama.cpp peer build (benchmarks/README.md); its path comes from `--llama-batche
 $LLAMA_BATCHED_BENCH. `--hf` adds transformers `generate` on the GGUF dequantized to float32 at
 batch 1 and the largest batch at the smallest context. `--sync-baseline` also times each case
 with the same engine's `async_scheduling` off (the host schedules each step only after the one
-before it has returned), runs of the two alternating, and adds their ratio.
+before it has returned), runs of the two alternating (each first in turn), and adds the median of the pairs' ratios
+(sync time / async time: a noisy machine moves both runs of a pair alike) and the steps that were
+scheduled ahead in a run (`auto` does so on a CPU only after small steps: 0 means both columns
+ran the same loop, and their ratio is the machine's noise).
 
 The table: one row per (B, C), tok/s of each system and jaxinfer's ratio to llama.cpp; then the
 prefill row.
@@ -82,9 +85,11 @@ def timed(fn) -> float:
 
 
 def bench_jaxinfer(model: str, batches: list[int], contexts: list[int], new_tokens: int,
-                   engine_kwargs: dict, sync_baseline: bool = False) -> tuple[dict, float, dict]:
-    """({(B, C): decode tok/s}, prefill tok/s of the largest context at B = 1, {(B, C): decode
-    tok/s with async_scheduling off} when `sync_baseline`)."""
+                   engine_kwargs: dict, sync_baseline: bool = False,
+                   num_runs: int = 2) -> tuple[dict, float, dict]:
+    """({(B, C): decode tok/s}, prefill tok/s of the largest context at B = 1, {(B, C): (decode
+    tok/s with async_scheduling off, median async/sync ratio of the pairs, steps scheduled ahead
+    a run)} when `sync_baseline`)."""
     from jaxinfer import LLM, SamplingParams
 
     llm = LLM(model, warmup=True, **engine_kwargs)
@@ -99,15 +104,22 @@ def bench_jaxinfer(model: str, batches: list[int], contexts: list[int], new_toke
         for b in batches:
             prompts = random_prompts(b, c, seed=b * 100_000 + c)
             runs = {mode: [] for mode in configs}
-            for i in range(3):  # the first touches every shape of the case: dropped
-                for mode, config in configs.items():
+            ahead = 0
+            for i in range(1 + num_runs):  # the first touches every shape of the case: dropped
+                order = list(configs.items())
+                for mode, config in order[::-1] if i % 2 else order:  # each first in turn
                     engine.engine_config = config
+                    before = engine.scheduler.num_ahead_steps
                     runs[mode].append(decode_seconds(engine, prompts, new_tokens,
                                                      f"{b}x{c}-{mode}-{i}"))
+                    if mode and i:
+                        ahead += engine.scheduler.num_ahead_steps - before
             engine.engine_config = configs[True]
             decode[(b, c)] = b * new_tokens / min(runs[True][1:])
             if sync_baseline:
-                sync[(b, c)] = b * new_tokens / min(runs[False][1:])
+                pairs = [s / a for a, s in zip(runs[True][1:], runs[False][1:])]
+                sync[(b, c)] = (b * new_tokens / min(runs[False][1:]), float(np.median(pairs)),
+                                ahead / num_runs)
             if b == 1 and c == max(contexts):
                 prefill = max(c / timed(lambda: llm.generate(prompts, prefill_only,
                                                              use_tqdm=False))
@@ -175,6 +187,9 @@ def main() -> None:
                     help="an EngineConfig setting for jaxinfer (repeatable; values as JSON)")
     ap.add_argument("--sync-baseline", action="store_true",
                     help="also decode with async_scheduling off, and print the ratio")
+    ap.add_argument("--runs", type=int, default=2,
+                    help="timed runs of each case (each mode with --sync-baseline), after one "
+                         "untimed")
     args = ap.parse_args()
     batches = sorted(int(x) for x in args.batches.split(","))
     contexts = sorted(int(x) for x in args.contexts.split(","))
@@ -194,7 +209,7 @@ def main() -> None:
         except json.JSONDecodeError:
             engine_kwargs[key] = value
     ours, our_prefill, sync = bench_jaxinfer(args.model, batches, contexts, args.new_tokens,
-                                             engine_kwargs, args.sync_baseline)
+                                             engine_kwargs, args.sync_baseline, args.runs)
     llama, llama_prefill = {}, 0.0
     if not args.no_llama:
         gguf = os.path.join(source.path, source.gguf_file) if source.gguf_file else None
@@ -216,18 +231,19 @@ def main() -> None:
 
     print(f"\nDecode, {args.model}, greedy, {args.new_tokens} new tokens after a context of C, "
           f"{jax.devices()[0].device_kind}, {os.cpu_count()} cores, engine {engine_kwargs}")
-    extra = " sync tok/s | async / sync |" if sync else ""
+    extra = " sync tok/s | async / sync (median of pairs) | steps ahead a run |" if sync else ""
     print("| batch | context | jaxinfer tok/s | llama.cpp tok/s | jaxinfer / llama.cpp | "
           "transformers tok/s |" + extra)
-    print("|---|---|---|---|---|---|" + "---|---|" * bool(sync))
+    print("|---|---|---|---|---|---|" + "---|---|---|" * bool(sync))
     for c in contexts:
         for b in batches:
             k = (b, c)
-            more = f" {cell(sync[k])} | {ratio(ours[k], sync[k])} |" if sync else ""
+            more = (f" {cell(sync[k][0])} | {sync[k][1]:.2f}x | {sync[k][2]:.0f} |"
+                    if sync else "")
             print(f"| {b} | {c} | {cell(ours[k])} | {cell(llama.get(k))} | "
                   f"{ratio(ours[k], llama.get(k))} | {cell(hf.get(k))} |" + more)
     print(f"| prefill, 1 x {max(contexts)} tokens | | {cell(our_prefill)} | {cell(llama_prefill)} "
-          f"| {ratio(our_prefill, llama_prefill)} | |" + " | |" * bool(sync))
+          f"| {ratio(our_prefill, llama_prefill)} | |" + " | | |" * bool(sync))
 
 
 if __name__ == "__main__":
