@@ -20,10 +20,10 @@ llama.cpp peer build (benchmarks/README.md); its path comes from `--llama-batche
 $LLAMA_BATCHED_BENCH. `--hf` adds transformers `generate` on the GGUF dequantized to float32 at
 batch 1 and the largest batch at the smallest context. `--sync-baseline` also times each case
 with the same engine's `async_scheduling` off (the host schedules each step only after the one
-before it has returned), runs of the two alternating (each first in turn), and adds the median of the pairs' ratios
-(sync time / async time: a noisy machine moves both runs of a pair alike) and the steps that were
-scheduled ahead in a run (`auto` does so on a CPU only after small steps: 0 means both columns
-ran the same loop, and their ratio is the machine's noise).
+before it has returned), runs of the two alternating (each first in turn), and adds the median
+of the pairs' ratios (sync time / async time: a noisy machine moves both runs of a pair alike)
+and the steps that were scheduled ahead in a run (`auto` does so on a CPU only after small steps:
+0 means both columns ran the same loop, and their ratio is the machine's noise).
 
 The table: one row per (B, C), tok/s of each system and jaxinfer's ratio to llama.cpp; then the
 prefill row.

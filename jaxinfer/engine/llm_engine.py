@@ -108,6 +108,7 @@ class LLMEngine:
                                    spec_policy=SpecPolicy.from_config(self.engine_config))
         self.outputs = OutputProcessor(self.tokenizer)
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # started, not yet seen
+        self._host_runs_steps = jax.default_backend() == "cpu"  # the step's cores are the host's
         self.grammars = GrammarCompiler(self.tokenizer.hf_tokenizer, self.model_config.vocab_size,
                                         eos_ids)
         not_pallas = self.runner.attention_backend != "pallas"
@@ -302,7 +303,7 @@ class LLMEngine:
         mode = self.engine_config.async_scheduling
         if mode != "auto":
             return mode == "on"
-        if jax.default_backend() != "cpu":
+        if not self._host_runs_steps:
             return True  # the host's cores are free while the device works
         context = sum(item.kv_len for item in running.scheduled)
         return (running.num_batched_tokens <= CPU_AHEAD_MAX_TOKENS

@@ -37,12 +37,11 @@ once N's tokens are back, before it runs the step; `update(N)` then puts each sa
 placeholder's place and applies stops as always. A request whose token at N is its last by
 length (max_tokens, the context limit) is left out of N + 1; one that stops at N on a stop token
 has already been scheduled into N + 1: that row computes its last token's K/V (a real token, into
-its own pages) and `update(N + 1)` ignores it. Only a step that the unknown tokens cannot change is scheduled
-ahead: no admissions (the queue is empty, or the sequences are full and nobody is outranked), no
-preemptions (every running request's growth fits the free pages), and no request whose next step
-depends on its tokens (speculation, a grammar, penalties) or on the last update (prompt logprobs
-not yet all scored); otherwise the engine waits for N and
-schedules as usual.
+its own pages) and `update(N + 1)` ignores it. Only a step that the unknown tokens cannot change
+is scheduled ahead: no admissions (the queue is empty, or the sequences are full and nobody is
+outranked), no preemptions (every running request's growth fits the free pages), and no request
+whose next step depends on its tokens (speculation, a grammar, penalties) or on the last update
+(prompt logprobs not yet all scored); otherwise the engine waits for N and schedules as usual.
 """
 
 from __future__ import annotations

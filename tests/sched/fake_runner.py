@@ -93,13 +93,8 @@ class Harness:
         self.sched.check_invariants()
         if sched_out.is_empty:
             return sched_out, []
-        si = make_step_input(sched_out, self.config, self.max_model_len, buckets=self.buckets)
-        changed = self.sched.update(sched_out, self.runner.execute(si, sched_out))
-        self.sched.check_invariants()
-        for r in changed:
-            if r.is_finished():
-                self.finished[r.request_id] = r
-        return sched_out, changed
+        out = self.runner.execute(self._input(sched_out), sched_out)
+        return sched_out, self._updated(self.sched.update(sched_out, out))
 
     def step_ahead(self):
         """The engine's loop with async scheduling: the step after the in-flight one is scheduled
@@ -122,14 +117,18 @@ class Harness:
             self.inflight = (ahead.sched_out, ahead_si)
         changed = self.sched.update(sched_out, out)
         assert not any(r.has_placeholder for r in self.sched.all_requests())
+        return sched_out, self._updated(changed)
+
+    def _input(self, sched_out):
+        return make_step_input(sched_out, self.config, self.max_model_len, buckets=self.buckets)
+
+    def _updated(self, changed: list[Request]) -> list[Request]:
+        """After an update: checks the invariants and records the finished requests."""
         self.sched.check_invariants()
         for r in changed:
             if r.is_finished():
                 self.finished[r.request_id] = r
-        return sched_out, changed
-
-    def _input(self, sched_out):
-        return make_step_input(sched_out, self.config, self.max_model_len, buckets=self.buckets)
+        return changed
 
     def run(self, max_steps=1000, ahead=False) -> dict[str, Request]:
         for _ in range(max_steps):
