@@ -33,19 +33,19 @@ from jaxinfer.runtime.step import step_fn  # noqa: E402
 def decode_step_input(llm: LLM, batch: int):
     """The StepInput of a decode step of `batch` sequences (the engine's own, captured)."""
     runner, seen = llm.engine.runner, []
-    execute = runner.execute
+    dispatch = runner.dispatch  # the engine starts its steps through it
 
     def capture(step_input):
         seen.append(step_input)
-        return execute(step_input)
+        return dispatch(step_input)
 
-    runner.execute = capture
+    runner.dispatch = capture
     try:
         prompts = [[1, 2, 3, 4, 5, 6, 7, 8 + i] for i in range(batch)]
         llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
                      use_tqdm=False)
     finally:
-        del runner.execute  # back to the method
+        del runner.dispatch  # back to the method
     return [si for si in seen if si.num_rows == batch][-1]
 
 

@@ -71,13 +71,13 @@ def group_of(op_name: str) -> str:
 def profile_steps(engine, num_steps: int) -> tuple[float, dict[str, float]]:
     """(wall seconds per step, {group: op seconds per step}) over `num_steps` engine steps."""
     runner, layouts = engine.runner, []
-    execute = runner.execute
+    dispatch = runner.dispatch
 
     def recording(step_input):  # which compiled step runs: its buffer layout says
         layouts.append(step_input.pack()[1])
-        return execute(step_input)
+        return dispatch(step_input)
 
-    runner.execute = recording
+    runner.dispatch = recording
     try:
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d):
@@ -88,7 +88,7 @@ def profile_steps(engine, num_steps: int) -> tuple[float, dict[str, float]]:
             trace = json.load(gzip.open(glob.glob(f"{d}/**/*.trace.json.gz",
                                                   recursive=True)[0]))
     finally:
-        del runner.execute  # back to the method
+        del runner.dispatch  # back to the method
     if len(set(layouts)) != 1:
         raise RuntimeError(f"the profiled steps ran {len(set(layouts))} executables; expected 1")
     events = trace["traceEvents"]
