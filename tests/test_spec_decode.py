@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import random
@@ -413,6 +414,37 @@ def _copy_prompts(n: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 300, size=8).tolist() * 3 + rng.integers(3, 300, size=4).tolist()
             for _ in range(n)]
+
+
+def test_requests_without_speculation_are_scheduled_ahead(tiny_ngram_llm):
+    """On an n-gram engine, requests with spec_decode=False get no drafts, so with
+    async_scheduling their steps are scheduled ahead like a plain engine's, with the synchronous
+    loop's tokens (greedy and seeded); a speculating request among them gives the same tokens
+    too, and its steps wait for their drafts (fewer steps ahead)."""
+    eng = tiny_ngram_llm.engine
+    prompts = _copy_prompts(4, seed=11)
+    plain = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, spec_decode=False),
+             SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True,
+                            spec_decode=False)] * 2
+
+    def run(mode, params):
+        config, before = eng.engine_config, eng.metrics.num_ahead_steps_total
+        eng.engine_config = dataclasses.replace(config, async_scheduling=mode)
+        try:
+            outs = tiny_ngram_llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            eng.engine_config = config
+        return [o.outputs[0].token_ids for o in outs], eng.metrics.num_ahead_steps_total - before
+
+    sync, _ = run("off", plain)
+    got, ahead = run("on", plain)
+    assert got == sync and ahead >= 10  # every decode step but the first
+    mixed = plain[:3] + [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)]
+    drafted = eng.scheduler.num_draft_tokens_total
+    sync, _ = run("off", mixed)
+    assert eng.scheduler.num_draft_tokens_total > drafted
+    got, mixed_ahead = run("on", mixed)
+    assert got == sync and mixed_ahead < ahead
 
 
 def test_tiny_draft_model_greedy_identical_with_many_rejections(tiny_draft_llm):

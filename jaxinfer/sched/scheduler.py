@@ -234,12 +234,13 @@ class Scheduler:
                          source_row=np.asarray(source_row, np.int64))
 
     def _can_schedule_ahead(self, samples: dict[str, int]) -> bool:
-        """Whether the next step is the same whichever tokens are sampled: no speculation,
-        grammars or penalties (they read the tokens), no prompt logprobs still being scored (the
-        next chunk's rows start where `update` left them), no admission or outranking (the queue's
-        head would be admitted, or would preempt someone), and room in the pool for every running
-        request's next chunk (no preemption)."""
-        if self.spec_policy is not None:
+        """Whether the next step is the same whichever tokens are sampled: no speculating request,
+        grammars or penalties (they read the tokens; a request that opted out of an engine's
+        speculation gets no drafts), no prompt logprobs still being scored (the next chunk's rows
+        start where `update` left them), no admission or outranking (the queue's head would be
+        admitted, or would preempt someone), and room in the pool for every running request's
+        next chunk (no preemption)."""
+        if self.spec_policy is not None and any(r.spec_enabled for r in self.running):
             return False
         if self.waiting:
             head = self._rank(self.waiting[0])

@@ -159,7 +159,29 @@ def test_penalties_prompt_logprobs_grammars_and_speculation_wait():
 
     config = make_config(speculative_method="ngram", num_speculative_tokens=2)
     sched = Scheduler(config, 16, 32, (EOS,), spec_policy=SpecPolicy.from_config(config))
+    req = make_request("a", prompt(5))
+    req.spec_enabled = True
+    sched.add_request(req)
+    assert _ahead_after_one_step(sched)[1] is None and not req.has_placeholder
+
+
+def test_a_request_that_opted_out_of_speculation_runs_ahead():
+    """On a speculating engine, requests with spec_decode off get no drafts: their next step is
+    known before their tokens are, unless one running request speculates."""
+    config = make_config(speculative_method="ngram", num_speculative_tokens=2)
+    sched = Scheduler(config, 16, 32, (EOS,), spec_policy=SpecPolicy.from_config(config))
+    plain = make_request("a", prompt(5))  # spec_enabled False: the engine's resolution of
+    sched.add_request(plain)              # SamplingParams(spec_decode=False)
+    out, ahead = _ahead_after_one_step(sched)
+    assert ahead is not None and plain.has_placeholder
+    sched.update(out, RunnerOutput(np.array([7], np.int32)))
+    assert plain.output_token_ids == [7] and not plain.has_placeholder
+
+    sched = Scheduler(config, 16, 32, (EOS,), spec_policy=SpecPolicy.from_config(config))
+    speculating = make_request("b", prompt(6, start=40))
+    speculating.spec_enabled = True
     sched.add_request(make_request("a", prompt(5)))
+    sched.add_request(speculating)
     assert _ahead_after_one_step(sched)[1] is None
 
 
