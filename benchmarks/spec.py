@@ -5,8 +5,9 @@
 
 Single stream (one request at a time, greedy, SmolLM2's chat template): copy-heavy prompts (repeat
 or edit a given code block, answer with quotes from a given text) and free-form prompts, each run
-with speculation off (`spec_decode=False`) and on (n-gram prompt lookup; `--draft` adds a draft
-model, by default the target itself, which shows the machinery, not a speed-up). Reports output
+with speculation off (`spec_decode=False`: no drafts, so its steps are scheduled ahead as a plain
+engine's are) and on (n-gram prompt lookup; `--draft` adds a draft model, by default the target
+itself, which shows the machinery, not a speed-up). Reports output
 tokens/s over each whole request and, single stream, over its decode phase alone (the tokens
 after the first over the time after it: speculation's own speed-up, without the prefill both
 pay alike), acceptance rate and mean accepted length (tokens per verification step), and checks
