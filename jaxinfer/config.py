@@ -238,7 +238,7 @@ class EngineConfig:
     # seconds the background share stays capped after the last interactive request left
     background_linger_s: float = 1.0
     # schedule each step while the one before it runs, so the host's work hides behind the
-    # device's (steps whose tokens decide the next one wait: speculation, grammars, penalties);
+    # device's (steps whose tokens decide the next one wait: drafts, grammars, penalties);
     # auto: always on an accelerator, on a CPU (its cores run the step too) after small steps only
     async_scheduling: Literal["auto", "on", "off"] = "auto"
     # weights: none: every weight in dtype; auto: as none, and on a CPU a GGUF file's Q8_0/Q4_0/

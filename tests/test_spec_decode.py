@@ -447,6 +447,43 @@ def test_requests_without_speculation_are_scheduled_ahead(tiny_ngram_llm):
     assert got == sync and mixed_ahead < ahead
 
 
+def test_a_batch_too_large_to_speculate_is_scheduled_ahead(tiny_ngram_llm, monkeypatch):
+    """With a budget of 4 decode + draft tokens a step, 4 speculating requests get no drafts and
+    their steps are scheduled ahead; as they finish, the last two speculate again. The lookup
+    always finds drafts here (the last token, repeated), so every step the policy allows drafts
+    in has them: the two loops must agree on which steps those are (drafts are proposed with the
+    count of requests from before each update, the count a step ahead was decided with), and
+    give the same greedy and seeded tokens."""
+    from jaxinfer.runtime.spec_decode import NgramProposer
+
+    monkeypatch.setattr(NgramProposer, "lookup",
+                        lambda self, token_ids, k: ([int(token_ids[-1])] * k, k + 1) if k > 0
+                        else ([], 0))
+    eng = tiny_ngram_llm.engine
+    prompts = _copy_prompts(4, seed=12)
+    params = [SamplingParams(max_tokens=n, temperature=0.8 if i % 2 else 0.0, seed=i,
+                             ignore_eos=True) for i, n in enumerate((4, 8, 24, 24))]
+    policy = eng.scheduler.spec_policy
+
+    def run(mode):
+        config = eng.engine_config
+        before = (eng.metrics.num_ahead_steps_total, eng.scheduler.num_draft_tokens_total)
+        eng.engine_config = dataclasses.replace(config, async_scheduling=mode)
+        eng.scheduler.spec_policy = dataclasses.replace(policy, max_batched_tokens=4,
+                                                        min_accept_prob=0.0)
+        try:
+            outs = tiny_ngram_llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            eng.engine_config, eng.scheduler.spec_policy = config, policy
+        return ([o.outputs[0].token_ids for o in outs],
+                eng.metrics.num_ahead_steps_total - before[0],
+                eng.scheduler.num_draft_tokens_total - before[1])
+
+    sync, sync_ahead, sync_drafts = run("off")
+    got, ahead, drafts = run("on")
+    assert got == sync and sync_ahead == 0 and ahead >= 3 and drafts == sync_drafts > 0
+
+
 def test_tiny_draft_model_greedy_identical_with_many_rejections(tiny_draft_llm):
     llm, eng = tiny_draft_llm, tiny_draft_llm.engine
     prompts = _copy_prompts(4, 0)

@@ -288,9 +288,10 @@ class LLMEngine:
             if ahead is not None:
                 ahead.fill_tokens(ahead_input.input_ids, runner_out)
                 self._start(ahead.sched_out, ahead_input)
+            num_requests = len(self.scheduler.running) + len(self.scheduler.waiting)
             updated = self.scheduler.update(sched_out, runner_out)
             if self.proposer is not None:
-                self.proposer.propose(sched_out, runner_out, updated, self.scheduler)
+                self.proposer.propose(sched_out, runner_out, updated, self.scheduler, num_requests)
         except Exception as e:  # noqa: BLE001 - an XLA runtime error, out of memory, a bug
             raise self._recover(sched_out, e, ahead) from e
         if detokenize:  # a stop string ends its request now, before the outputs are made

@@ -40,8 +40,11 @@ has already been scheduled into N + 1: that row computes its last token's K/V (a
 its own pages) and `update(N + 1)` ignores it. Only a step that the unknown tokens cannot change
 is scheduled ahead: no admissions (the queue is empty, or the sequences are full and nobody is
 outranked), no preemptions (every running request's growth fits the free pages), and no request
-whose next step depends on its tokens (speculation, a grammar, penalties) or on the last update
+whose next step depends on its tokens (drafts, a grammar, penalties) or on the last update
 (prompt logprobs not yet all scored); otherwise the engine waits for N and schedules as usual.
+A speculating request blocks it only while it may have drafts: not once the policy's batch rule
+gives it none at the current count of requests (a batch too large to speculate), which is the
+count its next n-gram drafts are proposed with.
 """
 
 from __future__ import annotations
@@ -234,13 +237,13 @@ class Scheduler:
                          source_row=np.asarray(source_row, np.int64))
 
     def _can_schedule_ahead(self, samples: dict[str, int]) -> bool:
-        """Whether the next step is the same whichever tokens are sampled: no speculating request,
-        grammars or penalties (they read the tokens; a request that opted out of an engine's
-        speculation gets no drafts), no prompt logprobs still being scored (the next chunk's rows
+        """Whether the next step is the same whichever tokens are sampled: no request that may
+        have drafts (`_may_speculate`), grammars or penalties (they read the tokens), no prompt
+        logprobs still being scored (the next chunk's rows
         start where `update` left them), no admission or outranking (the queue's head would be
         admitted, or would preempt someone), and room in the pool for every running request's
         next chunk (no preemption)."""
-        if self.spec_policy is not None and any(r.spec_enabled for r in self.running):
+        if self.spec_policy is not None and any(self._may_speculate(r) for r in self.running):
             return False
         if self.waiting:
             head = self._rank(self.waiting[0])
@@ -256,6 +259,20 @@ class Scheduler:
             chunk = min(todo, self.config.max_num_batched_tokens)
             need += max(self._num_pages_for(req.num_computed_tokens + chunk) - len(req.page_ids), 0)
         return need <= self.pool.num_free_pages
+
+    def _may_speculate(self, req: Request) -> bool:
+        """Whether `req` may have drafts in the step after the running one: it speculates, and it
+        verifies drafts in the running step (how many it accepts is not known yet) or holds
+        drafts not yet verified, or the policy's batch rule may give it some. n-gram drafts are
+        proposed after `update` with the count of requests from before it (DraftProposer), so
+        where that rule gives `req` none at that count, it gets none whatever its tokens; a
+        draft model's are planned by `schedule`, after `update`: any speculating request may
+        have them."""
+        if not req.spec_enabled:
+            return False
+        if req.spec_token_ids or self.spec_policy.draft_lookahead:
+            return True
+        return self.spec_policy.max_drafts(req, len(self.running) + len(self.waiting)) > 0
 
     def _background_budget(self, budget: _Budget) -> _Budget:
         """The share of `budget` background requests may use: all of it, unless an interactive

@@ -185,6 +185,38 @@ def test_a_request_that_opted_out_of_speculation_runs_ahead():
     assert _ahead_after_one_step(sched)[1] is None
 
 
+def test_a_batch_too_large_to_speculate_runs_ahead():
+    """Speculating requests block scheduling ahead only while they may have drafts: with a
+    budget of 4 decode + draft tokens a step, 4 requests get none (4 // 4 - 1 = 0) and their
+    next step is scheduled ahead; 2 may have one each, and a request holding drafts blocks it."""
+    config = make_config(speculative_method="ngram", num_speculative_tokens=2,
+                         spec_max_batched_tokens=4, max_num_seqs=4)
+
+    def scheduler_with(n):
+        sched = Scheduler(config, 32, 32, (EOS,), spec_policy=SpecPolicy.from_config(config))
+        reqs = [make_request(f"r{i}", prompt(3, start=10 + 5 * i)) for i in range(n)]
+        for req in reqs:
+            req.spec_enabled = True
+            sched.add_request(req)
+        return sched, reqs
+
+    sched, reqs = scheduler_with(4)
+    out, ahead = _ahead_after_one_step(sched)
+    assert ahead is not None and all(r.has_placeholder for r in reqs)
+    sched.update(out, RunnerOutput(np.array([7, 8, 9, 6], np.int32)))
+    assert [r.output_token_ids for r in reqs] == [[7], [8], [9], [6]]
+
+    sched, reqs = scheduler_with(2)
+    assert _ahead_after_one_step(sched)[1] is None
+
+    sched, reqs = scheduler_with(4)
+    sched.update(sched.schedule(), RunnerOutput(np.array([7, 8, 9, 6], np.int32)))
+    reqs[2].spec_token_ids = [11]  # as if proposed at a smaller count
+    out, ahead = _ahead_after_one_step(sched)  # the running step verifies it: 0 or 1 accepted
+    assert [it.spec_token_ids for it in out.scheduled] == [[], [], [11], []]
+    assert ahead is None and not any(r.has_placeholder for r in reqs)
+
+
 def test_no_step_ahead_when_an_admission_or_a_preemption_is_due():
     # a free sequence slot and a waiting request: the next step admits it
     sched = Scheduler(make_config(max_num_seqs=2, max_num_batched_tokens=8), 16, 32, (EOS,))
