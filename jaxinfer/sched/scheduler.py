@@ -239,10 +239,9 @@ class Scheduler:
     def _can_schedule_ahead(self, samples: dict[str, int]) -> bool:
         """Whether the next step is the same whichever tokens are sampled: no request that may
         have drafts (`_may_speculate`), grammars or penalties (they read the tokens), no prompt
-        logprobs still being scored (the next chunk's rows
-        start where `update` left them), no admission or outranking (the queue's head would be
-        admitted, or would preempt someone), and room in the pool for every running request's
-        next chunk (no preemption)."""
+        logprobs still being scored (the next chunk's rows start where `update` left them), no
+        admission or outranking (the queue's head would be admitted, or would preempt someone),
+        and room in the pool for every running request's next chunk (no preemption)."""
         if self.spec_policy is not None and any(self._may_speculate(r) for r in self.running):
             return False
         if self.waiting:
