@@ -289,7 +289,7 @@ class LLMEngine:
                 ahead.fill_tokens(ahead_input.input_ids, runner_out)
                 self._start(ahead.sched_out, ahead_input)
             # drafts follow the count from before the update: the one scheduling ahead decided by
-            num_requests = len(self.scheduler.running) + len(self.scheduler.waiting)
+            num_requests = self.scheduler.num_requests
             updated = self.scheduler.update(sched_out, runner_out)
             if self.proposer is not None:
                 self.proposer.propose(sched_out, runner_out, updated, self.scheduler, num_requests)

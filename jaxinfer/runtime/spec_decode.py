@@ -124,15 +124,13 @@ class DraftProposer:
                    if method == "ngram" else None)
 
     def propose(self, sched_out: SchedulerOutput, runner_out: RunnerOutput, updated: list[Request],
-                scheduler: Scheduler, num_requests: int | None = None) -> None:
+                scheduler: Scheduler, num_requests: int) -> None:
         """n-gram lookup for the `updated` requests, as many drafts as `scheduler.spec_policy`
         gives each with `num_requests` running or waiting (the engine passes the count from
         before `update`, the one a step scheduled ahead was decided with: `Scheduler.
-        _may_speculate`; None: the count now); or the draft model's drafts of this step
-        (`item.num_lookahead` per item)."""
+        _may_speculate`); or the draft model's drafts of this step (`item.num_lookahead` per
+        item)."""
         if self.ngram is not None:
-            if num_requests is None:
-                num_requests = len(scheduler.running) + len(scheduler.waiting)
             for req in updated:
                 if req.is_finished() or req.num_tokens - req.num_computed_tokens != 1:
                     continue

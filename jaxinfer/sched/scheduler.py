@@ -184,6 +184,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    @property
+    def num_requests(self) -> int:
+        """Requests running or waiting: the count the speculation policy's batch rule reads."""
+        return len(self.running) + len(self.waiting)
+
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
@@ -242,7 +247,8 @@ class Scheduler:
         logprobs still being scored (the next chunk's rows start where `update` left them), no
         admission or outranking (the queue's head would be admitted, or would preempt someone),
         and room in the pool for every running request's next chunk (no preemption)."""
-        if self.spec_policy is not None and any(self._may_speculate(r) for r in self.running):
+        if self.spec_policy is not None and any(self._may_speculate(r, self.num_requests)
+                                                for r in self.running):
             return False
         if self.waiting:
             head = self._rank(self.waiting[0])
@@ -259,7 +265,7 @@ class Scheduler:
             need += max(self._num_pages_for(req.num_computed_tokens + chunk) - len(req.page_ids), 0)
         return need <= self.pool.num_free_pages
 
-    def _may_speculate(self, req: Request) -> bool:
+    def _may_speculate(self, req: Request, num_requests: int) -> bool:
         """Whether `req` may have drafts in the step after the running one: it speculates, and it
         verifies drafts in the running step (how many it accepts is not known yet) or holds
         drafts not yet verified, or the policy's batch rule may give it some. n-gram drafts are
@@ -271,7 +277,7 @@ class Scheduler:
             return False
         if req.spec_token_ids or self.spec_policy.draft_lookahead:
             return True
-        return self.spec_policy.max_drafts(req, len(self.running) + len(self.waiting)) > 0
+        return self.spec_policy.max_drafts(req, num_requests) > 0
 
     def _background_budget(self, budget: _Budget) -> _Budget:
         """The share of `budget` background requests may use: all of it, unless an interactive
@@ -377,7 +383,7 @@ class Scheduler:
             return 0
         sp = req.sampling_params
         max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len
-        k = self.spec_policy.num_drafts(req, len(self.running) + len(self.waiting))
+        k = self.spec_policy.num_drafts(req, self.num_requests)
         return max(0, min(k, self.max_model_len - kv_len, max_tokens - req.num_output_tokens - 2))
 
     def _grow_pages(self, req, num_tokens_after, scheduled, preempted, may_preempt=True) -> bool:
