@@ -1,6 +1,6 @@
 """runtime/sampler.py against numpy references: exact greedy, batch independence, distributions
 (chi-square), penalties, logit bias, allowed-token mask, logprobs; and runtime/spec_verify.py's
-rejection sampler."""
+verification: the rejection rule for a draft model's drafts, matching for n-gram drafts."""
 
 import functools
 
@@ -371,8 +371,7 @@ def _spec_rows(num_rows, draft_ids, draft_probs, num_draft=K_SPEC, seed_offset=0
     keys = sampler.row_keys(jnp.arange(num_rows, dtype=jnp.uint32) + seed_offset,
                             jnp.full((num_rows,), 3, jnp.int32))
     target = jnp.asarray(np.broadcast_to(P_TARGET, (num_rows, K_SPEC + 1, V_SPEC)), jnp.float32)
-    q = None if draft_probs is None else jnp.asarray(
-        np.broadcast_to(draft_probs, (num_rows, K_SPEC, V_SPEC)), jnp.float32)
+    q = jnp.asarray(np.broadcast_to(draft_probs, (num_rows, K_SPEC, V_SPEC)), jnp.float32)
     out, num_accepted = _rejection_sample(
         target, q, jnp.asarray(draft_ids), jnp.full((num_rows,), num_draft, jnp.int32), keys)
     return np.asarray(out), np.asarray(num_accepted)
@@ -408,12 +407,39 @@ def test_rejection_sampler_matches_target_with_draft_probs():
     assert (num_accepted == 2).sum() > 2000
 
 
-def test_rejection_sampler_matches_target_with_deterministic_drafts():
-    """Draft probs None (n-gram proposals: q is one-hot on the proposed token)."""
-    num_rows = NUM_DRAWS
-    draft_ids = np.tile(np.array([[1, 0]], np.int32), (num_rows, 1))  # p0[1] = 0.4, p1[0] = 0.3
-    out, num_accepted = _spec_rows(num_rows, draft_ids, None)
+@jax.jit
+def _verify_ngram(logits, md, spec):
+    sampled = sampler.sample(logits, md)
+    return sampled, spec_verify.verify_drafts(logits, md, sampled, spec)
+
+
+def test_matched_ngram_drafts_emit_the_sampled_tokens_and_follow_the_target():
+    """n-gram drafts (q one-hot) are verified by matching the rows' own seeded draws: the emitted
+    tokens are exactly the tokens `sample` draws at those positions (what decoding one token at
+    a time gives), and they follow the rejection rule's distributions: the first ~ p0, after a
+    rejected draft ~ p0 without the draft, then ~ p1 and the bonus ~ p2; P(accept) = p0(draft)."""
+    num_seqs = NUM_DRAWS
+    rows = num_seqs * (K_SPEC + 1)
+    logits = jnp.asarray(np.log(np.tile(P_TARGET, (num_seqs, 1))), jnp.float32)  # f32[rows, V]
+    md = _md(rows, temperature=1.0, seeds=np.repeat(np.arange(num_seqs) + 77, K_SPEC + 1),
+             positions=np.tile(np.arange(K_SPEC + 1) + 3, num_seqs))
+    spec = spec_verify.SpecInputs(
+        row_ids=jnp.arange(rows, dtype=jnp.int32).reshape(num_seqs, K_SPEC + 1),
+        draft_ids=jnp.asarray(np.tile([[1, 0]], (num_seqs, 1)), jnp.int32),  # p0[1]=0.4, p1[0]=0.3
+        num_draft=jnp.full((num_seqs,), K_SPEC, jnp.int32),
+        seq_ids=jnp.arange(num_seqs, dtype=jnp.int32),
+        store_rows=jnp.arange(num_seqs, dtype=jnp.int32))
+    sampled, (verified, num_accepted) = _verify_ngram(logits, md, spec)
+    drawn = np.asarray(sampled.token_ids).reshape(num_seqs, K_SPEC + 1)
+    out = np.asarray(verified.token_ids).reshape(num_seqs, K_SPEC + 1)
+    num_accepted = np.asarray(num_accepted)
     _check_spec_output_shape(out, num_accepted)
+    emitted = out >= 0
+    np.testing.assert_array_equal(out[emitted], drawn[emitted])
+    np.testing.assert_array_equal(np.asarray(verified.logprobs)[emitted.reshape(-1)],
+                                  np.asarray(sampled.logprobs)[emitted.reshape(-1)])
+    rate = P_TARGET[0, 1]
+    assert abs((num_accepted >= 1).mean() - rate) < 5 * np.sqrt(rate * (1 - rate) / num_seqs)
     _assert_matches(out[:, 0], P_TARGET[0], V_SPEC)
     after_rejection = np.where(np.arange(V_SPEC) == 1, 0.0, P_TARGET[0])
     _assert_matches(out[num_accepted == 0, 0], _normalize(after_rejection), V_SPEC)
@@ -425,10 +451,11 @@ def test_rejection_sampler_bonus_comes_from_num_draft():
     """Rows with fewer real drafts than k take their bonus from p[num_draft]; num_draft 0 = decode."""
     num_rows = NUM_DRAWS
     draft_ids = np.tile(np.array([[1, -1]], np.int32), (num_rows, 1))
-    out, num_accepted = _spec_rows(num_rows, draft_ids, None, num_draft=1, seed_offset=10**6)
+    out, num_accepted = _spec_rows(num_rows, draft_ids, Q_DRAFT, num_draft=1, seed_offset=10**6)
     _check_spec_output_shape(out, num_accepted, num_draft=1)
     _assert_matches(out[num_accepted == 1, 1], P_TARGET[1], V_SPEC)
-    out, num_accepted = _spec_rows(num_rows, draft_ids, None, num_draft=0, seed_offset=2 * 10**6)
+    out, num_accepted = _spec_rows(num_rows, draft_ids, Q_DRAFT, num_draft=0,
+                                   seed_offset=2 * 10**6)
     assert (num_accepted == 0).all() and (out[:, 1:] == -1).all()
     _assert_matches(out[:, 0], P_TARGET[0], V_SPEC)
 
@@ -440,14 +467,14 @@ def test_rejection_sampler_greedy_rows():
     num_draft = jnp.asarray([2, 2, 2, 1, 0], jnp.int32)
     keys = sampler.row_keys(jnp.arange(5, dtype=jnp.uint32), jnp.zeros(5, jnp.int32))
     greedy = jnp.ones(5, bool)
-    for q in (None, jnp.asarray(np.broadcast_to(Q_DRAFT, (5, 2, V_SPEC)), jnp.float32)):
-        out, num_accepted = _rejection_sample(target, q, draft_ids, num_draft, keys, is_greedy=greedy)
-        np.testing.assert_array_equal(np.asarray(num_accepted), [2, 1, 0, 1, 0])
-        np.testing.assert_array_equal(np.asarray(out), [[1, 0, 2], [1, 0, -1], [1, -1, -1],
-                                                        [1, 0, -1], [1, -1, -1]])
+    q = jnp.asarray(np.broadcast_to(Q_DRAFT, (5, 2, V_SPEC)), jnp.float32)
+    out, num_accepted = _rejection_sample(target, q, draft_ids, num_draft, keys, is_greedy=greedy)
+    np.testing.assert_array_equal(np.asarray(num_accepted), [2, 1, 0, 1, 0])
+    np.testing.assert_array_equal(np.asarray(out), [[1, 0, 2], [1, 0, -1], [1, -1, -1],
+                                                    [1, 0, -1], [1, -1, -1]])
     # an explicit target_argmax (from the logits) overrides argmax(target_probs)
     target_argmax = jnp.asarray(np.tile([[1, 5, 3]], (5, 1)), jnp.int32)
-    out, num_accepted = _rejection_sample(target, None, draft_ids, num_draft, keys,
+    out, num_accepted = _rejection_sample(target, q, draft_ids, num_draft, keys,
                                           is_greedy=greedy, target_argmax=target_argmax)
     np.testing.assert_array_equal(np.asarray(num_accepted), [1, 2, 0, 1, 0])
     np.testing.assert_array_equal(np.asarray(out)[1], [1, 5, 3])

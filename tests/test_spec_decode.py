@@ -565,6 +565,52 @@ def test_tiny_ngram_identical_with_logprobs_and_stops(tiny_ngram_llm):
     assert eng.scheduler.pool.num_free_pages == eng.num_pages - 1
 
 
+def test_tiny_ngram_sampled_tokens_do_not_depend_on_the_drafts(tiny_ngram_llm, monkeypatch):
+    """Sampled requests (seeded; top-p, top-k) on an n-gram engine emit the tokens decoding one
+    token at a time gives them: a verified row keeps its own seeded draw, and a draft is accepted
+    only where it equals that draw. The lookup here proposes each request's own continuation
+    (from the run without speculation) with every third draft wrong, so the step verifies many
+    drafts, accepts about half and rejects the rest; the tokens and their logprobs must not change."""
+    from jaxinfer.runtime.spec_decode import NgramProposer
+
+    llm, eng = tiny_ngram_llm, tiny_ngram_llm.engine
+    prompts = _copy_prompts(4, seed=14)
+    params = [SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=6, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.7, top_k=20, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)]
+    ref = llm.generate(prompts, [dataclasses.replace(p, spec_decode=False) for p in params],
+                       use_tqdm=False)
+    continuations = [p + t for p, t in zip(prompts, _tokens(ref))]
+
+    def lookup(self, token_ids, k):
+        tokens = [int(t) for t in token_ids]
+        for full in continuations:
+            if k > 0 and full[:len(tokens)] == tokens and len(full) > len(tokens):
+                nxt = full[len(tokens):len(tokens) + k]
+                drafts = [t if (len(tokens) + i) % 3 else (t - 1 if t > 3 else t + 1)
+                          for i, t in enumerate(nxt)]
+                return drafts, len(drafts) + 1
+        return [], 0
+
+    monkeypatch.setattr(NgramProposer, "lookup", lookup)
+    policy = eng.scheduler.spec_policy
+    eng.scheduler.spec_policy = dataclasses.replace(policy, max_batched_tokens=64,
+                                                    min_accept_prob=0.0)
+    drafted, accepted = eng.scheduler.num_draft_tokens_total, eng.scheduler.num_accepted_tokens_total
+    try:
+        on = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        eng.scheduler.spec_policy = policy
+    drafted = eng.scheduler.num_draft_tokens_total - drafted
+    accepted = eng.scheduler.num_accepted_tokens_total - accepted
+    assert _tokens(on) == _tokens(ref)
+    assert 40 <= accepted < drafted  # about half the drafts accepted (the run: 48 of 100)
+    np.testing.assert_allclose([x.logprob for x in on[0].outputs[0].logprobs],
+                               [x.logprob for x in ref[0].outputs[0].logprobs], atol=1e-4)
+    assert eng.scheduler.pool.num_free_pages == eng.num_pages - 1
+
+
 def test_default_number_of_drafts_follows_the_method():
     """Unset, num_speculative_tokens is 16 for n-gram lookup (its drafts cost nothing to make) and
     4 for a draft model (each draft is a step of it); a value given is kept, 0 or 17 refused."""

@@ -1,7 +1,7 @@
 """Structured output with n-gram speculation on the tiny random Llama: drafts are cut to what the
 grammar accepts, each verified position gets the mask after the drafts before it, greedy output is
-token-identical to decoding without speculation (JSON schema, regex, mixed batches), sampled
-output stays grammar-valid, and warm-up compiles every layout constrained verification takes."""
+token-identical to decoding without speculation (JSON schema, regex, mixed batches), so is seeded
+sampled output (and it stays grammar-valid), and warm-up compiles every layout constrained verification takes."""
 
 import dataclasses
 import json
@@ -131,13 +131,18 @@ def test_greedy_identical_with_and_without_speculation(ngram_llm, kind):
         check(a.text)
 
 
-def test_sampled_with_speculation_stays_valid(ngram_llm):
+def test_sampled_with_speculation_same_tokens_and_valid(ngram_llm):
+    """Seeded sampling: a verified row keeps its own draw from the masked distribution, so the
+    tokens are those of constrained decoding without speculation, and valid."""
     sps = [SamplingParams(temperature=1.0, seed=s, max_tokens=120, top_p=0.95,
                           structured_outputs=StructuredOutputs(json=SCHEMA)) for s in range(4)]
     sps += [SamplingParams(temperature=0.8, seed=s, max_tokens=60,
                            structured_outputs=StructuredOutputs(regex=REGEX)) for s in range(3)]
+    off, _, _ = _run(ngram_llm, JSON_PROMPTS + REGEX_PROMPTS,
+                     [dataclasses.replace(sp, spec_decode=False) for sp in sps])
     outs, num_draft, _ = _run(ngram_llm, JSON_PROMPTS + REGEX_PROMPTS, sps)
     assert num_draft > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in off]
     for out in outs[:4]:
         assert out.finish_reason == "stop", out.text
         _check_schema(json.loads(out.text))

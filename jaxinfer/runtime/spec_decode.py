@@ -9,7 +9,9 @@ How a step goes (engine/llm_engine.py, sched/scheduler.py, runtime/step.py):
 2. The scheduler schedules 1 + k new tokens for it (its last token, then the drafts) in the same
    ragged step as everyone's prefills and decodes; the step computes the target's logits at all
    1 + k positions (k + 1 sampled rows) and verifies the drafts on the device
-   (runtime/spec_verify.py): greedy rows exactly, sampled rows by the rejection rule.
+   (runtime/spec_verify.py): n-gram drafts against the tokens sampled at their rows (so a
+   request's tokens are those of decoding one token at a time, greedy or seeded), a draft
+   model's sampled rows by the rejection rule.
 3. `Scheduler.update` appends the emitted tokens and lowers `num_computed_tokens` past the
    rejected drafts; their K/V is simply overwritten later (pages past the end are freed).
 
