@@ -566,7 +566,7 @@ def test_tiny_ngram_identical_with_logprobs_and_stops(tiny_ngram_llm):
 
 
 def test_tiny_ngram_sampled_tokens_do_not_depend_on_the_drafts(tiny_ngram_llm, monkeypatch):
-    """Sampled requests (seeded; top-p, top-k) on an n-gram engine emit the tokens decoding one
+    """Sampled requests (seeded; top-p with penalties, top-k) on an n-gram engine emit the tokens decoding one
     token at a time gives them: a verified row keeps its own seeded draw, and a draft is accepted
     only where it equals that draw. The lookup here proposes each request's own continuation
     (from the run without speculation) with every third draft wrong, so the step verifies many
@@ -576,7 +576,8 @@ def test_tiny_ngram_sampled_tokens_do_not_depend_on_the_drafts(tiny_ngram_llm, m
     llm, eng = tiny_ngram_llm, tiny_ngram_llm.engine
     prompts = _copy_prompts(4, seed=14)
     params = [SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True, logprobs=1),
-              SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=6, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=6, ignore_eos=True,
+                             frequency_penalty=0.5, presence_penalty=0.3),
               SamplingParams(max_tokens=20, temperature=0.7, top_k=20, seed=7, ignore_eos=True),
               SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)]
     ref = llm.generate(prompts, [dataclasses.replace(p, spec_decode=False) for p in params],
