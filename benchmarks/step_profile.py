@@ -122,7 +122,7 @@ class FixedDrafts:
     def __init__(self, num_drafts: int):
         self.num_drafts = num_drafts
 
-    def propose(self, sched_out, runner_out, updated, scheduler) -> None:
+    def propose(self, sched_out, runner_out, updated, scheduler, num_requests) -> None:
         for req in updated:
             req.spec_token_ids = [DRAFT_TOKEN] * self.num_drafts
 
