@@ -158,10 +158,10 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="an EngineConfig setting (repeatable; values as JSON)")
     args = ap.parse_args(argv)
-    common = dict(page_size=16, num_pages=2048, max_num_seqs=8, max_num_batched_tokens=256,
-                  max_model_len=1024, **({} if args.k is None else
-                                         {"num_speculative_tokens": args.k}),
-                  **parse_engine_args(args.engine_arg))
+    common = {**dict(page_size=16, num_pages=2048, max_num_seqs=8, max_num_batched_tokens=256,
+                     max_model_len=1024),
+              **({} if args.k is None else {"num_speculative_tokens": args.k}),
+              **parse_engine_args(args.engine_arg)}  # --engine-arg overrides the settings above
     llm = LLM(args.model, speculative_method="ngram", **common)
     ec = llm.engine.engine_config
     k = ec.num_speculative_tokens

@@ -66,12 +66,12 @@ def plain_call(runner, step_input):
     return run
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--rounds", type=int, default=100)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(args.model, max_num_seqs=max(batches), num_pages=256, max_model_len=256,
               kv_cache_dtype="float16")

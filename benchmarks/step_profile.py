@@ -70,11 +70,12 @@ def group_of(op_name: str) -> str:
 
 def profile_steps(engine, num_steps: int) -> tuple[float, dict[str, float]]:
     """(wall seconds per step, {group: op seconds per step}) over `num_steps` engine steps."""
-    runner, layouts = engine.runner, []
+    runner, layouts, inputs = engine.runner, [], []
     dispatch = runner.dispatch
 
     def recording(step_input):  # which compiled step runs: its buffer layout says
         layouts.append(step_input.pack()[1])
+        inputs.append(step_input)
         return dispatch(step_input)
 
     runner.dispatch = recording
@@ -96,11 +97,22 @@ def profile_steps(engine, num_steps: int) -> tuple[float, dict[str, float]]:
                    and "XLA" in e["args"]["name"]}  # the executor's thread and its pool
     ops = [e for e in events if e.get("ph") == "X" and e.get("tid") in xla_threads
            and not e["name"].startswith(_CONTAINERS)]
-    scopes = op_scopes(runner._executables[(layouts[0], runner.flags)])
+    compiled = runner._executables.get((layouts[0], runner.flags))
+    if compiled is None:  # jit compiled it on first use (no warm-up): the same program again
+        compiled = runner._prepare(inputs[0])[0]
+    scopes = op_scopes(compiled)
     by_group = collections.Counter()
     for e in ops:
         by_group[group_of(scopes.get(e["name"], ""))] += e["dur"] * 1e-6 / num_steps
     return wall, dict(by_group)
+
+
+def random_tokens(engine, rng, n: int) -> list[int]:
+    """n token ids from 100 .. 30,000 (clear of a vocabulary's special tokens), or from 3 up in a
+    smaller vocabulary (the tests' tiny model)."""
+    vocab = engine.model_config.vocab_size
+    low, high = (100, 30_000) if vocab > 30_000 else (3, vocab)
+    return rng.integers(low, high, n).tolist()
 
 
 def decode_state(engine, num_seqs: int, context: int, tag: str) -> None:
@@ -108,7 +120,7 @@ def decode_state(engine, num_seqs: int, context: int, tag: str) -> None:
     rng = np.random.default_rng(num_seqs * 7919 + context)
     params = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
     for i in range(num_seqs):
-        engine.add_request(f"{tag}-{i}", rng.integers(100, 30_000, context - 1).tolist(), params)
+        engine.add_request(f"{tag}-{i}", random_tokens(engine, rng, context - 1), params)
     sched = engine.scheduler
     while sched.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running):
         engine.step()
@@ -169,7 +181,7 @@ def main(argv=None) -> int:
         clear(engine)
     if args.prefill:
         rng = np.random.default_rng(0)
-        engine.add_request("prefill", rng.integers(100, 30_000, args.prefill + 1).tolist(),
+        engine.add_request("prefill", random_tokens(engine, rng, args.prefill + 1),
                            SamplingParams(max_tokens=1))
         rows.append((f"prefill {args.prefill} tokens", args.prefill, *profile_steps(engine, 1)))
         clear(engine)

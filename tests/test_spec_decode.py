@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import random
 import shutil
 import types
@@ -609,6 +610,31 @@ def test_tiny_ngram_sampled_tokens_do_not_depend_on_the_drafts(tiny_ngram_llm, m
     assert 40 <= accepted < drafted  # about half the drafts accepted (the run: 48 of 100)
     np.testing.assert_allclose([x.logprob for x in on[0].outputs[0].logprobs],
                                [x.logprob for x in ref[0].outputs[0].logprobs], atol=1e-4)
+    assert eng.scheduler.pool.num_free_pages == eng.num_pages - 1
+
+
+def test_the_benchmarks_hooks_fit_the_engine(tiny_ngram_llm, monkeypatch):
+    """benchmarks/step_profile.py, spec_replay.py and step_call.py replace parts of the engine by
+    name (the runner's `dispatch`, the engine's proposer, whose `propose` they implement) and read
+    its internals: their hooks run here on a real engine, so a change of the engine that breaks
+    them fails a test, not the next measurement."""
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import spec_replay
+    import step_call
+    import step_profile
+
+    llm, eng = tiny_ngram_llm, tiny_ngram_llm.engine
+    costs = spec_replay.step_costs(llm, 2, 16, 1)  # steps verifying 0, 1 and 2 fixed drafts
+    assert sorted(costs) == [1, 2, 3] and min(costs.values()) > 0
+    step_profile.decode_state(eng, 2, 16, "hooks")
+    wall, groups = step_profile.profile_steps(eng, 1)
+    step_profile.clear(eng)
+    assert wall > 0 and groups["matmuls"] > 0 and groups["attention"] > 0
+    step_input = step_call.decode_step_input(llm, 2)
+    assert step_input.num_rows == 2
+    np.testing.assert_array_equal(step_call.plain_call(eng.runner, step_input)(),
+                                  eng.runner.execute(step_input).token_ids)
+    assert not eng.scheduler.running and not eng.scheduler.waiting
     assert eng.scheduler.pool.num_free_pages == eng.num_pages - 1
 
 
