@@ -134,6 +134,9 @@ class FixedDrafts:
     def __init__(self, num_drafts: int):
         self.num_drafts = num_drafts
 
+    def may_draft_next(self, token_ids) -> bool:  # drafts every step: never scheduled ahead
+        return True
+
     def propose(self, sched_out, runner_out, updated, scheduler, num_requests) -> None:
         for req in updated:
             req.spec_token_ids = [DRAFT_TOKEN] * self.num_drafts

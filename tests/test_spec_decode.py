@@ -82,6 +82,27 @@ def test_ngram_lookup_prefers_the_longest_match_and_says_its_length():
     assert ngram_drafts(NgramProposer(2, 4), policy, _req(spec_enabled=False), copying, 1) == []
 
 
+def test_may_match_next_is_false_only_where_no_next_token_gives_a_match():
+    """`may_match_next` (the scheduler may run a speculating request's next step ahead where it
+    is False): over random sequences of a small vocabulary, wherever it says no, the lookup
+    after every possible next token finds nothing; it says no for a last token new to the
+    sequence, and always yes with 1-gram matches allowed."""
+    from jaxinfer.runtime.spec_decode import NgramProposer
+
+    rng = np.random.default_rng(5)
+    ngram = NgramProposer(ngram_min=2, ngram_max=4)
+    said_no = 0
+    for _ in range(300):
+        tokens = rng.integers(0, 12, rng.integers(2, 30)).tolist()
+        may = ngram.may_match_next(tokens)
+        assert may == (tokens[-1] in tokens[:-1])
+        if not may:
+            said_no += 1
+            assert all(ngram.lookup(tokens + [c], 4) == ([], 0) for c in range(12))
+        assert NgramProposer(ngram_min=1, ngram_max=4).may_match_next(tokens)
+    assert 30 <= said_no <= 270  # both answers are exercised
+
+
 def _req(**kw) -> Request:
     req = make_request("r", [1, 2, 3])
     req.spec_enabled = True
@@ -460,6 +481,7 @@ def test_a_batch_too_large_to_speculate_is_scheduled_ahead(tiny_ngram_llm, monke
     monkeypatch.setattr(NgramProposer, "lookup",
                         lambda self, token_ids, k: ([int(token_ids[-1])] * k, k + 1) if k > 0
                         else ([], 0))
+    monkeypatch.setattr(NgramProposer, "may_match_next", lambda self, token_ids: True)
     eng = tiny_ngram_llm.engine
     prompts = _copy_prompts(4, seed=12)
     params = [SamplingParams(max_tokens=n, temperature=0.8 if i % 2 else 0.0, seed=i,
@@ -483,6 +505,37 @@ def test_a_batch_too_large_to_speculate_is_scheduled_ahead(tiny_ngram_llm, monke
     sync, sync_ahead, sync_drafts = run("off")
     got, ahead, drafts = run("on")
     assert got == sync and sync_ahead == 0 and ahead >= 3 and drafts == sync_drafts > 0
+
+
+def test_a_step_no_lookup_can_draft_for_is_scheduled_ahead(tiny_ngram_llm, monkeypatch):
+    """With 2-gram matches at least, a speculating request whose last token occurs nowhere
+    before it gets no drafts after its next token, whichever that is, so that step is scheduled
+    ahead; both loops give the same tokens and the same drafts. Prompts of tokens that are all
+    new, then a copy (n-gram food): some steps run ahead, others verify drafts."""
+    from jaxinfer.runtime.spec_decode import DraftProposer, NgramProposer
+
+    eng = tiny_ngram_llm.engine
+    monkeypatch.setattr(eng, "proposer", DraftProposer(NgramProposer(ngram_min=2, ngram_max=3)))
+    rng = np.random.default_rng(21)
+    prompts = [rng.permutation(np.arange(3, 300))[:20].tolist() for _ in range(3)]
+    prompts = [p + p[:6] for p in prompts]  # a copy under way: its continuation can be drafted
+    params = [SamplingParams(max_tokens=16, temperature=0.8 if i else 0.0, seed=i,
+                             ignore_eos=True) for i in range(3)]
+
+    def run(mode):
+        config = eng.engine_config
+        before = (eng.metrics.num_ahead_steps_total, eng.scheduler.num_draft_tokens_total)
+        eng.engine_config = dataclasses.replace(config, async_scheduling=mode)
+        try:
+            outs = tiny_ngram_llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            eng.engine_config = config
+        return (_tokens(outs), eng.metrics.num_ahead_steps_total - before[0],
+                eng.scheduler.num_draft_tokens_total - before[1])
+
+    sync, sync_ahead, sync_drafts = run("off")
+    got, ahead, drafts = run("on")
+    assert got == sync and sync_ahead == 0 and ahead >= 2 and drafts == sync_drafts > 0
 
 
 def test_tiny_draft_model_greedy_identical_with_many_rejections(tiny_draft_llm):

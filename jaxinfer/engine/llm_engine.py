@@ -105,7 +105,8 @@ class LLMEngine:
         self.proposer = DraftProposer.from_config(self.engine_config)
         self.scheduler = Scheduler(self.engine_config, self.num_pages, self.max_model_len, eos_ids,
                                    policy=self.engine_config.scheduling_policy,
-                                   spec_policy=SpecPolicy.from_config(self.engine_config))
+                                   spec_policy=SpecPolicy.from_config(self.engine_config),
+                                   may_draft_next=self._may_draft_next)
         self.outputs = OutputProcessor(self.tokenizer)
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None  # started, not yet seen
         self._host_runs_steps = jax.default_backend() == "cpu"  # the step's cores are the host's
@@ -299,6 +300,10 @@ class LLMEngine:
             for request_id, stop in self.outputs.update_text(updated):
                 self.scheduler.finish_request(request_id, "stop", stop_reason=stop)
         return self.outputs.process(updated, detokenize=detokenize)
+
+    def _may_draft_next(self, token_ids: list[int]) -> bool:
+        """The scheduler's `may_draft_next`: what the proposer the engine has now says."""
+        return self.proposer is not None and self.proposer.may_draft_next(token_ids)
 
     def _schedules_ahead(self, running: SchedulerOutput) -> bool:
         """Whether to schedule the next step while `running` runs (async_scheduling)."""

@@ -61,6 +61,15 @@ class NgramProposer:
         of the suffix occurred before."""
         return self.lookup(token_ids, k)[0]
 
+    def may_match_next(self, token_ids: list[int]) -> bool:
+        """Whether `lookup` may find a match once one more token follows `token_ids`, whichever
+        token that is. An n-gram of n >= 2 ending at the new token holds the current last token
+        at an earlier position, so with ngram_min >= 2 a last token that occurs nowhere before it
+        rules every match out (about half the steps of a free-form answer's first 64 tokens)."""
+        if self.ngram_min == 1:
+            return True
+        return token_ids.index(token_ids[-1]) < len(token_ids) - 1
+
     def lookup(self, token_ids, k: int) -> tuple[list[int], int]:
         """(up to `k` drafts, the length of the match they continue: how many of the last tokens
         the chosen occurrence repeats, at most max(n, k + 1)); ([], 0) when nothing matches."""
@@ -124,6 +133,12 @@ class DraftProposer:
             return None
         return cls(NgramProposer(engine_config.ngram_min, engine_config.ngram_max)
                    if method == "ngram" else None)
+
+    def may_draft_next(self, token_ids: list[int]) -> bool:
+        """Whether a request whose prompt + output is `token_ids` may get drafts after its next
+        token, whichever it is (`Scheduler._may_speculate`): n-gram drafts only where the lookup
+        may match; a draft model's always."""
+        return self.ngram is None or self.ngram.may_match_next(token_ids)
 
     def propose(self, sched_out: SchedulerOutput, runner_out: RunnerOutput, updated: list[Request],
                 scheduler: Scheduler, num_requests: int) -> None:

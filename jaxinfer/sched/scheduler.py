@@ -106,6 +106,7 @@ class Scheduler:
         policy: str = "fcfs",
         clock: Callable[[], float] = time.monotonic,
         spec_policy: SpecPolicy | None = None,
+        may_draft_next: Callable[[list[int]], bool] | None = None,
     ):
         if policy not in POLICIES:
             raise ValueError(f"{policy=} must be one of {POLICIES}")
@@ -123,6 +124,9 @@ class Scheduler:
         self.policy = policy
         self.clock = clock
         self.spec_policy = spec_policy
+        # whether a request whose prompt + output is this may get drafts after its next token,
+        # whichever it is (the n-gram proposer's `may_match_next`); None: it may
+        self.may_draft_next = may_draft_next
         self.pool = PagePool(num_pages, page_size, engine_config.enable_prefix_caching)
         self.page_table = PageTable(engine_config.max_num_seqs, -(-max_model_len // page_size))
         self.waiting: collections.deque[Request] = collections.deque()  # head is admitted next
@@ -270,13 +274,16 @@ class Scheduler:
         verifies drafts in the running step (how many it accepts is not known yet) or holds
         drafts not yet verified, or the policy's batch rule may give it some. n-gram drafts are
         proposed after `update` with the count of requests from before it (DraftProposer), so
-        where that rule gives `req` none at that count, it gets none whatever its tokens; a
+        where that rule gives `req` none at that count, it gets none whatever its tokens, and
+        none where `may_draft_next` says no lookup can match after its next token; a
         draft model's are planned by `schedule`, after `update`: any speculating request may
         have them."""
         if not req.spec_enabled:
             return False
         if req.spec_token_ids or self.spec_policy.draft_lookahead:
             return True
+        if self.may_draft_next is not None and not self.may_draft_next(req.all_token_ids):
+            return False  # no lookup can match after the next token, whatever it is
         return self.spec_policy.max_drafts(req, num_requests) > 0
 
     def _background_budget(self, budget: _Budget) -> _Budget:

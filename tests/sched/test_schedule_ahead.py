@@ -185,6 +185,23 @@ def test_a_request_that_opted_out_of_speculation_runs_ahead():
     assert _ahead_after_one_step(sched)[1] is None
 
 
+def test_a_request_no_lookup_can_draft_for_runs_ahead():
+    """With `may_draft_next` (the n-gram proposer's `may_match_next`), a speculating request
+    whose last token is new to it runs ahead: no lookup can match after its next token; one whose
+    last token occurred before does not."""
+    from jaxinfer.runtime.spec_decode import NgramProposer
+
+    config = make_config(speculative_method="ngram", num_speculative_tokens=2)
+    for last, runs_ahead in ((99, True), (11, False)):
+        sched = Scheduler(config, 16, 32, (EOS,), spec_policy=SpecPolicy.from_config(config),
+                          may_draft_next=NgramProposer(2, 3).may_match_next)
+        req = make_request("a", prompt(5) + [last])  # 10 .. 14, then 99 (new) or 11 (again)
+        req.spec_enabled = True
+        sched.add_request(req)
+        out, ahead = _ahead_after_one_step(sched)
+        assert (ahead is not None) == runs_ahead and req.has_placeholder == runs_ahead
+
+
 def test_a_batch_too_large_to_speculate_runs_ahead():
     """Speculating requests block scheduling ahead only while they may have drafts: with a
     budget of 4 decode + draft tokens a step, 4 requests get none (4 // 4 - 1 = 0) and their
