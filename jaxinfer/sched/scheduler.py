@@ -282,9 +282,10 @@ class Scheduler:
             return False
         if req.spec_token_ids or self.spec_policy.draft_lookahead:
             return True
-        if self.may_draft_next is not None and not self.may_draft_next(req.all_token_ids):
-            return False  # no lookup can match after the next token, whatever it is
-        return self.spec_policy.max_drafts(req, num_requests) > 0
+        if self.spec_policy.max_drafts(req, num_requests) == 0:
+            return False
+        # no lookup can match after the next token, whatever it is (a scan of the tokens: last)
+        return self.may_draft_next is None or self.may_draft_next(req.all_token_ids)
 
     def _background_budget(self, budget: _Budget) -> _Budget:
         """The share of `budget` background requests may use: all of it, unless an interactive
