@@ -438,34 +438,38 @@ def _copy_prompts(n: int, seed: int) -> list[list[int]]:
             for _ in range(n)]
 
 
+def _generate(llm, prompts, params, async_scheduling: str):
+    """llm.generate with `async_scheduling` set -> (tokens, steps scheduled ahead, drafts
+    verified) of that call."""
+    eng = llm.engine
+    config = eng.engine_config
+    before = (eng.metrics.num_ahead_steps_total, eng.scheduler.num_draft_tokens_total)
+    eng.engine_config = dataclasses.replace(config, async_scheduling=async_scheduling)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        eng.engine_config = config
+    return (_tokens(outs), eng.metrics.num_ahead_steps_total - before[0],
+            eng.scheduler.num_draft_tokens_total - before[1])
+
+
 def test_requests_without_speculation_are_scheduled_ahead(tiny_ngram_llm):
     """On an n-gram engine, requests with spec_decode=False get no drafts, so with
     async_scheduling their steps are scheduled ahead like a plain engine's, with the synchronous
     loop's tokens (greedy and seeded); a speculating request among them gives the same tokens
     too, and its steps wait for their drafts (fewer steps ahead)."""
-    eng = tiny_ngram_llm.engine
     prompts = _copy_prompts(4, seed=11)
     plain = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, spec_decode=False),
              SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True,
                             spec_decode=False)] * 2
 
-    def run(mode, params):
-        config, before = eng.engine_config, eng.metrics.num_ahead_steps_total
-        eng.engine_config = dataclasses.replace(config, async_scheduling=mode)
-        try:
-            outs = tiny_ngram_llm.generate(prompts, params, use_tqdm=False)
-        finally:
-            eng.engine_config = config
-        return [o.outputs[0].token_ids for o in outs], eng.metrics.num_ahead_steps_total - before
-
-    sync, _ = run("off", plain)
-    got, ahead = run("on", plain)
+    sync, _, _ = _generate(tiny_ngram_llm, prompts, plain, "off")
+    got, ahead, _ = _generate(tiny_ngram_llm, prompts, plain, "on")
     assert got == sync and ahead >= 10  # every decode step but the first
     mixed = plain[:3] + [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)]
-    drafted = eng.scheduler.num_draft_tokens_total
-    sync, _ = run("off", mixed)
-    assert eng.scheduler.num_draft_tokens_total > drafted
-    got, mixed_ahead = run("on", mixed)
+    sync, _, drafted = _generate(tiny_ngram_llm, prompts, mixed, "off")
+    assert drafted > 0
+    got, mixed_ahead, _ = _generate(tiny_ngram_llm, prompts, mixed, "on")
     assert got == sync and mixed_ahead < ahead
 
 
@@ -486,24 +490,10 @@ def test_a_batch_too_large_to_speculate_is_scheduled_ahead(tiny_ngram_llm, monke
     prompts = _copy_prompts(4, seed=12)
     params = [SamplingParams(max_tokens=n, temperature=0.8 if i % 2 else 0.0, seed=i,
                              ignore_eos=True) for i, n in enumerate((4, 8, 24, 24))]
-    policy = eng.scheduler.spec_policy
-
-    def run(mode):
-        config = eng.engine_config
-        before = (eng.metrics.num_ahead_steps_total, eng.scheduler.num_draft_tokens_total)
-        eng.engine_config = dataclasses.replace(config, async_scheduling=mode)
-        eng.scheduler.spec_policy = dataclasses.replace(policy, max_batched_tokens=4,
-                                                        min_accept_prob=0.0)
-        try:
-            outs = tiny_ngram_llm.generate(prompts, params, use_tqdm=False)
-        finally:
-            eng.engine_config, eng.scheduler.spec_policy = config, policy
-        return ([o.outputs[0].token_ids for o in outs],
-                eng.metrics.num_ahead_steps_total - before[0],
-                eng.scheduler.num_draft_tokens_total - before[1])
-
-    sync, sync_ahead, sync_drafts = run("off")
-    got, ahead, drafts = run("on")
+    monkeypatch.setattr(eng.scheduler, "spec_policy", dataclasses.replace(
+        eng.scheduler.spec_policy, max_batched_tokens=4, min_accept_prob=0.0))
+    sync, sync_ahead, sync_drafts = _generate(tiny_ngram_llm, prompts, params, "off")
+    got, ahead, drafts = _generate(tiny_ngram_llm, prompts, params, "on")
     assert got == sync and sync_ahead == 0 and ahead >= 3 and drafts == sync_drafts > 0
 
 
@@ -522,19 +512,8 @@ def test_a_step_no_lookup_can_draft_for_is_scheduled_ahead(tiny_ngram_llm, monke
     params = [SamplingParams(max_tokens=16, temperature=0.8 if i else 0.0, seed=i,
                              ignore_eos=True) for i in range(3)]
 
-    def run(mode):
-        config = eng.engine_config
-        before = (eng.metrics.num_ahead_steps_total, eng.scheduler.num_draft_tokens_total)
-        eng.engine_config = dataclasses.replace(config, async_scheduling=mode)
-        try:
-            outs = tiny_ngram_llm.generate(prompts, params, use_tqdm=False)
-        finally:
-            eng.engine_config = config
-        return (_tokens(outs), eng.metrics.num_ahead_steps_total - before[0],
-                eng.scheduler.num_draft_tokens_total - before[1])
-
-    sync, sync_ahead, sync_drafts = run("off")
-    got, ahead, drafts = run("on")
+    sync, sync_ahead, sync_drafts = _generate(tiny_ngram_llm, prompts, params, "off")
+    got, ahead, drafts = _generate(tiny_ngram_llm, prompts, params, "on")
     assert got == sync and sync_ahead == 0 and ahead >= 2 and drafts == sync_drafts > 0
 
 
