@@ -643,8 +643,9 @@ void RunItem(const Problem& p, int64_t c0, int64_t c1) {
 }
 
 ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
-                           ffi::AnyBuffer scales, ffi::AnyBuffer mins, int64_t bits,
-                           int64_t group_size, int64_t has_mins, ffi::ResultBuffer<ffi::F32> y) {
+                           ffi::AnyBuffer scales, ffi::AnyBuffer mins,
+                           ffi::Buffer<ffi::S32> num_rows, int64_t bits, int64_t group_size,
+                           int64_t has_mins, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto vd = values.dimensions();
   if (xd.size() != 2 || vd.size() != 2) {
@@ -658,13 +659,15 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   p.mins = has_mins ? mins.untyped_data() : nullptr;
   p.f16_params = scales.element_type() == ffi::DataType::F16;
   p.bits = static_cast<int>(bits);
-  p.m = xd[0];
+  p.m = jaxinfer::RealRows(num_rows.typed_data(), xd[0]);
   p.k = xd[1];
   p.n = vd[1];
   p.group_size = group_size;
   if (p.n % kCols != 0) {
     return ffi::Error::InvalidArgument("the number of output columns must be a multiple of 32");
   }
+  jaxinfer::ZeroRowsFrom(p.y, p.m, xd[0], p.n);
+  if (p.m == 0) return ffi::Error::Success();
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (p.m == 1 && p.n % kWideCols == 0) {
     OneRow(p, pool);
@@ -752,6 +755,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantMatmul, QuantMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()         // values i8[K, N] | u8[K/2, N]
                                   .Arg<ffi::AnyBuffer>()         // scales f16|f32 [G, N]
                                   .Arg<ffi::AnyBuffer>()         // mins (or a dummy)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_rows i32[1]: real rows
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("has_mins")

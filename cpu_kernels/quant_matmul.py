@@ -66,12 +66,16 @@ def quant_matmul(
     bits: int,
     group_size: int,
     int8_activations: bool = False,
+    num_rows: jax.Array | None = None,  # i32[] (traced): x's real rows, the first ones
 ) -> jax.Array:  # [M, N] in x.dtype
     """x @ dequantize(W). `int8_activations`: x rounded to int8 per group of the weight and the
     products taken in integers (quant_matmul_q8.cc; `quant_matmul_q8_reference` says exactly
-    what it computes). Raises NotImplementedError for a layout the kernel does not take (N not a
-    multiple of 32, or of 64 with int8 activations; int4 with odd K or K/2 not a multiple of the
-    group size) or when the kernel is not available on this machine."""
+    what it computes). `num_rows`: only x's first num_rows rows (clamped to [0, M]) are
+    multiplied and the rest of the result is zero, so a step padded to its token bucket pays for
+    its real rows only (None: all M); with int8 activations a row's result does not depend on
+    it. Raises NotImplementedError for a layout the kernel does not take (N not a multiple of
+    32, or of 64 with int8 activations; int4 with odd K or K/2 not a multiple of the group size)
+    or when the kernel is not available on this machine."""
     _validate(x, values, scales, mins, bits, group_size)
     k, n = x.shape[1], values.shape[1]
     if n % COLUMN_MULTIPLE:
@@ -91,8 +95,10 @@ def quant_matmul(
     if target is None:
         raise NotImplementedError("the CPU quantized matmul kernel is not available here")
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    real = jnp.full((1,), x.shape[0], jnp.int32) if num_rows is None else \
+        jnp.reshape(num_rows, (1,)).astype(jnp.int32)  # i32[1]
     y = call(x.astype(jnp.float32), values, scales,
-             mins if mins is not None else jnp.zeros((1,), scales.dtype),
+             mins if mins is not None else jnp.zeros((1,), scales.dtype), real,
              bits=np.int64(bits), group_size=np.int64(group_size),
              has_mins=np.int64(mins is not None))
     return y.astype(x.dtype)

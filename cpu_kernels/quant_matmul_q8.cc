@@ -523,8 +523,9 @@ void StoreColumns(const Problem& p, const float* out, int blocks, float* y, int6
 #endif
 
 ffi::Error QuantMatmulQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
-                             ffi::AnyBuffer scales, ffi::AnyBuffer mins, int64_t bits,
-                             int64_t group_size, int64_t has_mins, ffi::ResultBuffer<ffi::F32> y) {
+                             ffi::AnyBuffer scales, ffi::AnyBuffer mins,
+                             ffi::Buffer<ffi::S32> num_rows, int64_t bits, int64_t group_size,
+                             int64_t has_mins, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto vd = values.dimensions();
   if (xd.size() != 2 || vd.size() != 2) {
@@ -536,7 +537,7 @@ ffi::Error QuantMatmulQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   p.mins = has_mins ? mins.untyped_data() : nullptr;
   p.f16_params = scales.element_type() == ffi::DataType::F16;
   p.bits = static_cast<int>(bits);
-  p.m = xd[0];
+  p.m = jaxinfer::RealRows(num_rows.typed_data(), xd[0]);
   p.k = xd[1];
   p.n = vd[1];
   p.group_size = group_size;
@@ -558,6 +559,8 @@ ffi::Error QuantMatmulQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   p.xd = xdd.data();
   p.xs = xs.data();
   float* out = y->typed_data();
+  jaxinfer::ZeroRowsFrom(out, p.m, xd[0], p.n);
+  if (p.m == 0) return ffi::Error::Success();
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
   const int64_t block_count = p.n / kCols;
   const int64_t per_item = ItemBlocks(p.m, block_count, pool.num_threads());
@@ -586,6 +589,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferQuantMatmulQ8, QuantMatmulQ8Impl,
                                   .Arg<ffi::AnyBuffer>()         // values i8[K, N] | u8[K/2, N]
                                   .Arg<ffi::AnyBuffer>()         // scales f16|f32 [G, N]
                                   .Arg<ffi::AnyBuffer>()         // mins (or a dummy)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_rows i32[1]: real rows
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group_size")
                                   .Attr<int64_t>("has_mins")

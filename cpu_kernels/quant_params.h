@@ -1,6 +1,6 @@
 // IEEE half -> float (the attention kernel's float16 caches too), and the scales and minimums of
-// a quantized weight (f16 or f32 rows of [G, N]) read as f32, shared by the quantized matmul
-// kernels.
+// a quantized weight (f16 or f32 rows of [G, N]) read as f32 and the real rows of x, shared by
+// the quantized matmul kernels.
 #ifndef JAXINFER_CPU_KERNELS_QUANT_PARAMS_H_
 #define JAXINFER_CPU_KERNELS_QUANT_PARAMS_H_
 
@@ -35,6 +35,19 @@ inline float half_to_float(uint16_t h) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+}
+
+// The rows of x [M, K] a product computes: the step's real ones, the first `num_rows[0]`
+// (clamped to [0, M]). A step padded to its token bucket has rows beyond them that nothing reads,
+// so their multiply-adds are skipped and their output rows set to zero (ZeroRowsFrom).
+inline int64_t RealRows(const int32_t* num_rows, int64_t m) {
+  const int64_t r = num_rows[0];
+  return r < 0 ? 0 : (r > m ? m : r);
+}
+
+// Rows [from, m) of y [m, n] set to zero.
+inline void ZeroRowsFrom(float* y, int64_t from, int64_t m, int64_t n) {
+  if (from < m) std::memset(y + from * n, 0, sizeof(float) * (m - from) * n);
 }
 
 // n values of a scale/min row (f16 or f32) as f32.

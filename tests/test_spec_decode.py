@@ -234,38 +234,52 @@ def test_calibrated_budget_grants_a_request_alone_all_its_drafts():
 
 
 def test_calibration_sets_the_budget_from_timed_steps(tiny_ngram_llm, monkeypatch):
-    """warmup()'s calibration times one plain step per token bucket (here on a virtual clock: a
-    step of T tokens sampling R rows takes 1 ms + 0.1 ms T + 0.05 ms R) and sets rule 2's budget
-    to the largest bucket within 1.5x of a one-token step, or K + 1 where that is less."""
+    """warmup()'s calibration times steps of real tokens (here on a virtual clock: a step of t
+    real tokens sampling r real rows takes 1 ms + 0.1 ms t + 0.05 ms r, whatever its bucket):
+    one sequence of 1 .. K + 1 tokens in a verification's layout, then each larger token bucket
+    full, as a batch. It sets rule 2's budget to the largest count within 1.5x of a one-token
+    step, or K + 1 where that is less."""
     import jaxinfer.engine.llm_engine as llm_engine
 
     eng = tiny_ngram_llm.engine
     before = eng.scheduler.spec_policy
+    k = eng.engine_config.num_speculative_tokens
     clock = [0.0]
-    plain: dict[int, float] = {}
+    timed: dict[int, float] = {}
 
     def execute(si):
-        num_tokens, num_rows = si.shape[0], si.logits_indices.shape[0]
-        seconds = 1e-3 + 1e-4 * num_tokens + 5e-5 * num_rows
+        n = int(si.num_seqs[0])
+        cu, t = si.cu_q_lens, int(si.cu_q_lens[-1])
+        q_lens = np.diff(cu)[:n]
+        assert (q_lens > 0).all() and (cu[n:] == t).all()  # n sequences, then padding
+        np.testing.assert_array_equal(si.kv_lens[:n], q_lens)  # prompts from position 0
+        assert (si.kv_lens[n:] == 0).all() and (si.page_indices == 0).all()  # the null page
+        if t <= k + 1:  # a single stream, each token a sampled row (1 + t - 1 drafts)
+            assert n == 1 and (si.spec_row_ids is not None) == (t > 1)
+            rows = t
+        else:  # a full bucket as a batch: a row a sequence
+            assert si.shape[0] == t and n == min(t, eng.engine_config.max_num_seqs)
+            assert si.spec_row_ids is None
+            rows = n
+        seconds = 1e-3 + 1e-4 * t + 5e-5 * rows
         clock[0] += seconds
-        assert si.spec_row_ids is None  # verifying layouts are not timed
-        plain[num_tokens] = max(plain.get(num_tokens, 0.0), seconds)
+        timed[t] = seconds
 
     monkeypatch.setattr(eng.runner, "execute", execute)
     monkeypatch.setattr(llm_engine, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     try:
         budget = eng.calibrate_speculation()
-        assert sorted(plain) == sorted(eng.buckets.token_buckets)
-        knee = max(t for t, s in plain.items() if s <= 1.5 * plain[1])
-        k = eng.engine_config.num_speculative_tokens
+        assert sorted(timed) == list(range(1, k + 2)) + [
+            t for t in eng.buckets.token_buckets if t > k + 1]
+        knee = max(t for t, s in timed.items() if s <= 1.5 * timed[1])
         assert budget == eng.scheduler.spec_policy.max_batched_tokens == max(knee, k + 1)
-        # rule 1's step times: each bucket's (the best of its timings; here all alike)
-        assert dict(eng.scheduler.spec_policy.step_seconds) == pytest.approx(plain)
-        assert 1 < knee < max(plain)
+        # rule 1's step times: each count's (the best of its timings; here all alike)
+        assert dict(eng.scheduler.spec_policy.step_seconds) == pytest.approx(timed)
+        assert 1 < knee < max(timed)
         # a slower device: the knee is 1 token, and one request may still verify K drafts
         clock[0] = 0.0
         monkeypatch.setattr(eng.runner, "execute", lambda si: clock.__setitem__(
-            0, clock[0] + 1e-3 * si.shape[0]))
+            0, clock[0] + 1e-3 * int(si.cu_q_lens[-1])))
         assert eng.calibrate_speculation() == k + 1
     finally:
         eng.scheduler.spec_policy = before

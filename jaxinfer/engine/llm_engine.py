@@ -30,7 +30,8 @@ from jaxinfer.sched.output import AheadStep, SchedulerOutput
 from jaxinfer.sched.scheduler import Scheduler
 from jaxinfer.sched.spec_policy import SpecPolicy
 from jaxinfer.sched.stats import SchedulerStats
-from jaxinfer.sched.step_input import make_step_input, warmup_step_inputs
+from jaxinfer.sched.step_input import (calibration_step_inputs, make_step_input,
+                                      warmup_step_inputs)
 from jaxinfer.structured import GrammarCompiler, bitmask_words
 from jaxinfer.tokenizer import Tokenizer
 
@@ -372,23 +373,24 @@ class LLMEngine:
             self.calibrate_speculation()
 
     def calibrate_speculation(self) -> int:
-        """Times one (compiled) all-padding step per token bucket (the best of
-        CALIBRATION_REPEATS) and gives the times to the speculation policy: its budget of decode
-        + draft tokens per step becomes the device's knee (sched/spec_policy.py, rule 2), or
-        min(K, SHARED_DRAFTS) + 1 where the knee is lower (K + 1 for a request alone: its full
-        verification), and rule 1 weighs drafts by what their steps cost."""
+        """Times one (compiled) step of each token count the speculation policy weighs (the
+        best of CALIBRATION_REPEATS; `calibration_step_inputs`: a single stream verifying 0 ..
+        K drafts, then each larger token bucket full) and gives the times to the policy: its
+        budget of decode + draft tokens per step becomes the device's knee
+        (sched/spec_policy.py, rule 2), or min(K, SHARED_DRAFTS) + 1 where the knee is lower
+        (K + 1 for a request alone: its full verification), and rule 1 weighs drafts by what
+        their steps cost. The timed tokens are real to the step (a padded one pays for its
+        real rows only on the CPU), though they touch only the null page."""
         seconds: dict[int, float] = {}
-        for si in warmup_step_inputs(self.engine_config, self.max_model_len, buckets=self.buckets):
-            if si.spec_row_ids is not None:
-                continue
+        for num_tokens, si in calibration_step_inputs(self.engine_config, self.max_model_len,
+                                                      buckets=self.buckets):
             self.runner.execute(si)  # compiled, and caches warm
             best = math.inf
             for _ in range(CALIBRATION_REPEATS):
                 t0 = time.perf_counter()
                 self.runner.execute(si)
                 best = min(best, time.perf_counter() - t0)
-            num_tokens = si.shape[0]
-            seconds[num_tokens] = max(seconds.get(num_tokens, 0.0), best)
+            seconds[num_tokens] = best
         self.scheduler.spec_policy = self.spec_policy.calibrated(seconds)
         budget = self.scheduler.spec_policy.max_batched_tokens
         logger.info("speculation: up to %d decode + draft tokens per step (step seconds %s)",

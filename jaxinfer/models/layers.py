@@ -32,12 +32,15 @@ class Linear(nnx.Module):
             _INIT_STD * jax.random.normal(rngs.params(), (in_features, out_features), param_dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
 
-    def matmul(self, x: jax.Array) -> jax.Array:
-        # x: [..., in_features] -> [..., out_features]
+    def matmul(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
+        # x: [..., in_features] -> [..., out_features]; num_rows: see __call__ (a float weight
+        # multiplies every row)
         return jnp.dot(x.astype(self.dtype), self.weight[...].astype(self.dtype))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = self.matmul(x)
+    def __call__(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
+        """`num_rows` (i32[], traced): x's rows beyond the first num_rows are a step's padding,
+        whose results nothing reads; a quantized weight's CPU kernels skip them (zero rows)."""
+        y = self.matmul(x, num_rows)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y
@@ -56,8 +59,8 @@ class Embed(nnx.Module):
         # ids: i32[T] -> [T, features]
         return jnp.take(self.embedding[...], ids, axis=0).astype(self.dtype)
 
-    def attend(self, x: jax.Array) -> jax.Array:
-        # x: [R, features] -> f32[R, num_embeddings]
+    def attend(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
+        # x: [R, features] -> f32[R, num_embeddings]; num_rows: as Linear's (unused here)
         return jnp.dot(x.astype(self.dtype), self.embedding[...].astype(self.dtype).T,
                        preferred_element_type=jnp.float32)
 
@@ -183,11 +186,11 @@ class QuantizedLinear(Linear):
                                None if self.mins is None else self.mins[...], self.bits,
                                self.group_size, (self.in_features, self.out_features))
 
-    def matmul(self, x: jax.Array) -> jax.Array:
+    def matmul(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
         return ops.quantized_matmul(x.astype(self.dtype), self.qweight, backend=self.backend,
                                     dense=None if self.dense is None else self.dense[...],
                                     mesh=self.mesh, split=self.tp_split,
-                                    int8_activations=self.int8_activations)
+                                    int8_activations=self.int8_activations, num_rows=num_rows)
 
 
 class QuantizedEmbed(Embed):
@@ -221,11 +224,12 @@ class QuantizedEmbed(Embed):
             return jnp.take(self.dense[...], ids, axis=0).astype(self.dtype)
         return quantized_embedding(self.qweight, ids, self.dtype)
 
-    def attend(self, x: jax.Array) -> jax.Array:
+    def attend(self, x: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
         dense = None if self.dense is None else self.dense[...].T  # [features, num_embeddings]
         return ops.quantized_matmul(x.astype(self.dtype), self.qweight, backend=self.backend,
                                     dense=dense, mesh=self.mesh, split=self.tp_split,
-                                    int8_activations=self.int8_activations).astype(jnp.float32)
+                                    int8_activations=self.int8_activations,
+                                    num_rows=num_rows).astype(jnp.float32)
 
 
 def set_quantized_matmul_backend(model: nnx.Module, backend: str, *,

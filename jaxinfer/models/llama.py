@@ -41,9 +41,10 @@ class Attention(nnx.Module):
                  attention_backend: str, mesh: Mesh | None = None):
         # x: [T, hidden]; cos, sin: f32[T, D // 2]; layer: i32[]; mesh: tensor-parallel (ops)
         num_tokens = x.shape[0]
+        real = md.num_real_tokens
         q_size = self.num_heads * self.head_dim
         with jax.named_scope("qkv_proj"):
-            qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+            qkv = self.qkv_proj(x, real)  # [T, (Hq + 2 Hkv) D]
         with jax.named_scope("rope"):
             q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                 self.tp_shards)  # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
@@ -58,7 +59,7 @@ class Attention(nnx.Module):
                 sliding_window=self.sliding_window, backend=attention_backend,
                 k_scale=kv_cache.k_scale, v_scale=kv_cache.v_scale, mesh=mesh)  # [T, Hq, D]
         with jax.named_scope("o_proj"):
-            return self.o_proj(out.reshape(num_tokens, q_size)), kv_cache
+            return self.o_proj(out.reshape(num_tokens, q_size), real), kv_cache
 
 
 class MLP(nnx.Module):
@@ -72,12 +73,13 @@ class MLP(nnx.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size,
                                 dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, num_rows: jax.Array | None = None):
+        # x: [T, hidden]; num_rows: i32[], x's real rows (Linear)
         with jax.named_scope("gate_up_proj"):
-            gate_up = self.gate_up_proj(x)  # [T, 2 I]
+            gate_up = self.gate_up_proj(x, num_rows)  # [T, 2 I]
         gate, up = split_gate_up(gate_up, self.intermediate_size, self.tp_shards)  # [T, I] each
         with jax.named_scope("down_proj"):
-            return self.down_proj(jax.nn.silu(gate) * up)
+            return self.down_proj(jax.nn.silu(gate) * up, num_rows)
 
 
 class DecoderLayer(nnx.Module):
@@ -96,7 +98,7 @@ class DecoderLayer(nnx.Module):
         x = x + attn_out
         with jax.named_scope("norm"):
             h = self.post_attention_layernorm(x)
-        x = x + self.mlp(h)
+        x = x + self.mlp(h, md.num_real_tokens)
         return x, kv_cache
 
 
@@ -166,9 +168,10 @@ class LlamaForCausalLM(nnx.Module):
             one_layer, (hidden, kv_cache, jnp.zeros((), jnp.int32)), layers_state)
         return self.norm(hidden), kv_cache
 
-    def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        # hidden: [R, hidden_size] (rows of __call__'s output) -> f32[R, vocab_size]
+    def compute_logits(self, hidden: jax.Array, num_rows: jax.Array | None = None) -> jax.Array:
+        # hidden: [R, hidden_size] (rows of __call__'s output) -> f32[R, vocab_size]; num_rows:
+        # i32[], rows beyond the first num_rows are padding (their logits are not read)
         with jax.named_scope("lm_head"):
             if self.lm_head is None:
-                return self.embed_tokens.attend(hidden)
-            return self.lm_head(hidden).astype(jnp.float32)
+                return self.embed_tokens.attend(hidden, num_rows)
+            return self.lm_head(hidden, num_rows).astype(jnp.float32)

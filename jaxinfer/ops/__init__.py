@@ -206,7 +206,8 @@ def _attention_local(q, k_cache, v_cache, layer, md: AttentionMetadata, k_scale,
 
 def quantized_matmul(x: jax.Array, qweight: QuantizedWeight, *, backend: str = "auto",
                      dense: jax.Array | None = None, mesh: Mesh | None = None,
-                     split: str | None = None, int8_activations: bool = False) -> jax.Array:
+                     split: str | None = None, int8_activations: bool = False,
+                     num_rows: jax.Array | None = None) -> jax.Array:
     """x: [..., K] @ a QuantizedWeight [K, N] (int8 / int4, one matrix) -> [..., N] in x.dtype.
     "pallas": the Pallas kernel; "cpu": the C++ kernel for a few rows, else the weight
     dequantized by the C++ kernel and XLA's matmul; "xla": dequantized inside the jit. A layout a
@@ -217,24 +218,29 @@ def quantized_matmul(x: jax.Array, qweight: QuantizedWeight, *, backend: str = "
     sharded_matmul.py); on "cpu" and "pallas" each device then multiplies by its own share
     (a "column" result is split by column, a "row" result summed over the devices).
     `int8_activations` (the "cpu" backend): x rounded to int8 per group and integer products at
-    every row count (cpu_quant.quant_matmul_q8_reference); other backends ignore it."""
+    every row count (cpu_quant.quant_matmul_q8_reference); other backends ignore it.
+    `num_rows` (i32[], traced): x's rows (flattened to [M, K]) beyond the first num_rows are a
+    step's padding; the "cpu" kernels then multiply only the real ones and give zero rows for
+    the rest (on one device; other paths compute every row, and nothing reads those rows)."""
     backend = resolve_backend(backend)
     matmul = functools.partial(_quantized_matmul_local, backend=backend,
                                int8_activations=int8_activations)
     if backend != "xla" and split is not None and num_shards(mesh) > 1:
         return matmul_per_shard(matmul, mesh, x, qweight, dense, split)
-    return matmul(x, qweight, dense)
+    return matmul(x, qweight, dense, num_rows=num_rows)
 
 
 def _quantized_matmul_local(x: jax.Array, qweight: QuantizedWeight, dense: jax.Array | None, *,
-                            backend: str, int8_activations: bool = False) -> jax.Array:
+                            backend: str, int8_activations: bool = False,
+                            num_rows: jax.Array | None = None) -> jax.Array:
     k, n = qweight.shape
     rows = x.reshape(-1, k) if x.shape[-1] == k else None  # [M, K]
     if int8_activations and backend == "cpu" and qweight.values.ndim == 2 and rows is not None:
         q = qweight  # every row count through the same kernel: a row's result never depends on M
         try:
             y = cpu_quant.quant_matmul(rows, q.values, q.scales, q.mins, bits=q.bits,
-                                       group_size=q.group_size, int8_activations=True)
+                                       group_size=q.group_size, int8_activations=True,
+                                       num_rows=num_rows)
             return y.reshape(*x.shape[:-1], n)
         except NotImplementedError as e:  # this layout: x stays float (the kernel below)
             warnings.warn(f"int8 activations unavailable for this weight ({e}); x stays float32 "
@@ -248,7 +254,7 @@ def _quantized_matmul_local(x: jax.Array, qweight: QuantizedWeight, dense: jax.A
         try:
             if dense_above is None or rows.shape[0] <= CPU_QUANT_KERNEL_MAX_ROWS:
                 y = cpu_quant.quant_matmul(rows, q.values, q.scales, q.mins, bits=q.bits,
-                                           group_size=q.group_size)
+                                           group_size=q.group_size, num_rows=num_rows)
             else:
                 w = cpu_quant.dequantize(q.values, q.scales, q.mins, bits=q.bits,
                                          group_size=q.group_size, k=k)  # f32[K, N]

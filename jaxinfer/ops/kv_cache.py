@@ -47,6 +47,13 @@ class AttentionMetadata(NamedTuple):
     page_indices: jax.Array  # i32[S, P] physical page ids; unused entries 0 (the null page)
     num_seqs: jax.Array  # i32[1] real number of sequences
 
+    @property
+    def num_real_tokens(self) -> jax.Array:
+        """i32[]: the step's real tokens, the first ones of T (padding sequences repeat the last
+        cu_q_lens); the padding tokens after them are computed for nothing, and the CPU's
+        quantized matmuls skip them (`ops.quantized_matmul`'s num_rows)."""
+        return self.cu_q_lens[-1]
+
 
 def _check_dtype(dtype) -> jnp.dtype:
     dtype = jnp.dtype(dtype)

@@ -87,7 +87,10 @@ def _forward_and_sample(graphdef, state, kv_cache, parts: StepParts, logprob_lev
     hidden, kv_cache = model(parts.input_ids, parts.positions, kv_cache, parts.attention,
                              attention_backend=flags.attention_backend,
                              mesh=flags.mesh)  # hidden: [T, H]
-    logits = model.compute_logits(hidden[parts.logits_indices])  # f32[R, V]
+    # the real rows come first and each reads its own real token, so there are at most as many
+    # as real tokens: the LM head's kernel skips the padding rows beyond
+    logits = model.compute_logits(hidden[parts.logits_indices],
+                                  parts.attention.num_real_tokens)  # f32[R, V]
     out = sample_any(logits, parts.sampling, logprob_level)
     targets = parts.target_token_ids  # i32[R] | None
     if targets is not None:  # prompt-logprob rows: the logprob of the given next prompt token

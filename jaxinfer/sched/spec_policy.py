@@ -18,8 +18,8 @@ limit and max_tokens:
    full price once it is compute-bound. A step verifies at most `spec_max_batched_tokens` decode
    plus draft tokens, shared evenly among the n requests running or waiting:
    k <= spec_max_batched_tokens // n - 1. At 64: n <= 12 -> k = 4, 16 -> 3, 21 -> 2, 32 -> 1,
-   n > 32 -> speculation off. The budget is the device's knee: `LLMEngine.warmup()` times a step
-   of each token bucket and, unless spec_max_batched_tokens is set, takes the largest one whose
+   n > 32 -> speculation off. The budget is the device's knee: `LLMEngine.warmup()` times steps
+   of 1 .. K + 1 tokens and of each larger token bucket and, unless spec_max_batched_tokens is set, takes the largest one whose
    time stays within KNEE_SLOWDOWN (1.5x) of a one-token step (64 until then), but never less
    than min(K, SHARED_DRAFTS) + 1, and for a request alone in the engine never less than K + 1,
    its full verification. Where a step's time grows with its tokens from the start (a small
@@ -115,7 +115,8 @@ class SpecPolicy:
 
     def step_time(self, num_tokens: int) -> float:
         """Measured seconds of a step of `num_tokens` tokens: the smallest measured step at least
-        that large (the bucket it is padded to), or the largest one measured."""
+        that large (its own count where that was timed, else the next one timed, such as the
+        bucket it is padded to), or the largest one measured."""
         for tokens, seconds in self.step_seconds:
             if tokens >= num_tokens:
                 return seconds

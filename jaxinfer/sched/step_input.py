@@ -205,18 +205,66 @@ def warmup_step_inputs(engine_config: EngineConfig, max_model_len: int, *,
             variants += sorted({num_seqs, num_tokens})
         for num_rows in variants:
             si = empty_step_input(*shape, buckets.page_size, num_rows=num_rows)
-            if num_rows is not None:  # nothing to verify: every spec row is padding
-                si.spec_row_ids = np.full((num_seqs, k + 1), num_rows, np.int32)
-                si.spec_draft_ids = np.full((num_seqs, k), -1, np.int32)
-                si.spec_num_draft = np.zeros(num_seqs, np.int32)
-                si.spec_seq_ids = np.full(num_seqs, num_seqs, np.int32)
-                si.spec_store_rows = np.zeros(num_seqs, np.int32)
+            if num_rows is not None:
+                _verify_nothing(si, k)
             if method == "draft":
                 _fill_draft(si, [], _Rows([]), engine_config.max_num_seqs)
             yield si
             if bitmask_words:
                 yield dataclasses.replace(si, allowed_token_bitmask=np.full(
                     (si.seeds.shape[0], bitmask_words), -1, np.int32))
+
+
+def _verify_nothing(si: StepInput, k: int) -> None:
+    """The verification arrays of `si`'s layout (K = k), every spec row padding."""
+    num_seqs, num_rows = si.page_indices.shape[0], si.seeds.shape[0]
+    si.spec_row_ids = np.full((num_seqs, k + 1), num_rows, np.int32)
+    si.spec_draft_ids = np.full((num_seqs, k), -1, np.int32)
+    si.spec_num_draft = np.zeros(num_seqs, np.int32)
+    si.spec_seq_ids = np.full(num_seqs, num_seqs, np.int32)
+    si.spec_store_rows = np.zeros(num_seqs, np.int32)
+
+
+def calibration_step_inputs(engine_config: EngineConfig, max_model_len: int, *,
+                            buckets: StepBuckets | None = None) -> Iterator[tuple[int, StepInput]]:
+    """(t, a step of t real tokens) for the step times the speculation policy weighs
+    (`LLMEngine.calibrate_speculation`): one sequence of t = 1 .. K + 1 tokens, each a sampled
+    row (a single stream verifying t - 1 drafts, in that step's layout), then each larger token
+    bucket T full, its T tokens spread over its sequences (a batch or a prefill). The tokens are
+    real to the step, so it costs what a step of t tokens does (the CPU's quantized matmuls skip
+    the padding rows after them: `ops.quantized_matmul`'s num_rows), but they write and read only
+    the null page, as padding does. Their input ids are 0."""
+    buckets = buckets or StepBuckets.from_config(engine_config, max_model_len)
+    method, k = engine_config.speculative_method, engine_config.num_speculative_tokens
+    largest_seqs = engine_config.max_num_seqs
+    counts = [(t, 1) for t in range(1, k + 2) if t <= buckets.token_buckets[-1]]
+    counts += [(t, min(t, largest_seqs)) for t in buckets.token_buckets if t > k + 1]
+    for t, num_seqs in counts:
+        per_seq = -(-t // num_seqs)
+        shape = buckets.pick(t, num_seqs, -(-per_seq // buckets.page_size))
+        rows = num_seqs if num_seqs > 1 else t  # a batch samples a row a sequence
+        num_rows = shape[1] if rows <= shape[1] else shape[0]
+        si = empty_step_input(*shape, buckets.page_size, num_rows=num_rows)
+        if method is not None and rows > 1 and num_seqs == 1:
+            _verify_nothing(si, k)
+        if method == "draft":
+            _fill_draft(si, [], _Rows([]), largest_seqs)
+        _real_tokens_on_the_null_page(si, t, per_seq)
+        yield t, si
+
+
+def _real_tokens_on_the_null_page(si: StepInput, t: int, per_seq: int) -> None:
+    """`si`'s first t tokens become sequences of `per_seq` tokens (the last one shorter), each a
+    prompt from position 0 whose pages are all the null page."""
+    q_lens = [per_seq] * (t // per_seq) + ([t % per_seq] if t % per_seq else [])
+    n = len(q_lens)
+    si.cu_q_lens[1:n + 1] = np.cumsum(q_lens)
+    si.cu_q_lens[n + 1:] = t
+    si.kv_lens[:n] = q_lens
+    si.num_seqs[0] = n
+    si.positions[:t] = np.concatenate([np.arange(q) for q in q_lens])
+    rows = min(si.seeds.shape[0], n if n > 1 else t)
+    si.logits_indices[:rows] = (si.cu_q_lens[1:rows + 1] - 1 if n > 1 else np.arange(rows))
 
 
 def _fill_attention(si: StepInput, sched_out: SchedulerOutput, page_size: int) -> None:

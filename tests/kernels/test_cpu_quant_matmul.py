@@ -196,3 +196,37 @@ def test_int8_activations_layouts_they_do_not_take_raise_not_implemented():
     q8 = quant.quantize_int8(_weight(576, 96), 32)  # N = 96: a multiple of 32, not of 64
     with pytest.raises(NotImplementedError, match="multiple of 64"):
         quant_matmul(x, q8.values, q8.scales, bits=8, group_size=32, int8_activations=True)
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("kind", ["int4 asym g32", "int8 g32", "int4 asym g128"])
+def test_only_the_real_rows_are_multiplied(kind, int8_activations):
+    """`num_rows` (a traced scalar, as a step's real token count is): rows below it are the
+    product of those rows alone (bit for bit, with int8 activations as at any row count; float
+    x as the kernel gives them at that row count), the rest zero, even where x holds NaN there;
+    out of range it is clamped to [0, M]."""
+    qw = _kinds()[kind]()
+    m = 16
+    x = np.random.default_rng(3).standard_normal((m, qw.shape[0])).astype(np.float32)
+    call = jax.jit(lambda x, n: quant_matmul(x, qw.values, qw.scales, qw.mins, bits=qw.bits,
+                                             group_size=qw.group_size,
+                                             int8_activations=int8_activations, num_rows=n))
+    for n in (0, 1, 2, 5, 9, 16):
+        padded = x.copy()
+        padded[n:] = np.nan  # padding rows are never read
+        got = np.asarray(call(jnp.asarray(padded), jnp.int32(n)))
+        assert got.shape == (m, qw.shape[1])
+        np.testing.assert_array_equal(got[n:], 0.0)
+        if n:
+            alone = np.asarray(call(jnp.asarray(x[:n]), jnp.int32(n)))
+            np.testing.assert_array_equal(got[:n], alone)
+            ref = (quant_matmul_q8_reference if int8_activations else quant_matmul_reference)(
+                jnp.asarray(x[:n]), qw.values, qw.scales, qw.mins, bits=qw.bits,
+                group_size=qw.group_size)
+            assert float(jnp.abs(got[:n] - ref).max() / jnp.abs(ref).max()) < TOL
+    whole = np.asarray(call(jnp.asarray(x), jnp.int32(m)))
+    np.testing.assert_array_equal(np.asarray(call(jnp.asarray(x), jnp.int32(99))), whole)
+    np.testing.assert_array_equal(np.asarray(call(jnp.asarray(x), jnp.int32(-3))), 0.0)
+    if int8_activations:  # a row's result does not depend on the row count
+        np.testing.assert_array_equal(
+            np.asarray(call(jnp.asarray(x), jnp.int32(5)))[:5], whole[:5])
