@@ -237,34 +237,35 @@ def calibration_step_inputs(engine_config: EngineConfig, max_model_len: int, *,
     buckets = buckets or StepBuckets.from_config(engine_config, max_model_len)
     method, k = engine_config.speculative_method, engine_config.num_speculative_tokens
     largest_seqs = engine_config.max_num_seqs
-    counts = [(t, 1) for t in range(1, k + 2) if t <= buckets.token_buckets[-1]]
-    counts += [(t, min(t, largest_seqs)) for t in buckets.token_buckets if t > k + 1]
-    for t, num_seqs in counts:
-        per_seq = -(-t // num_seqs)
-        shape = buckets.pick(t, num_seqs, -(-per_seq // buckets.page_size))
-        rows = num_seqs if num_seqs > 1 else t  # a batch samples a row a sequence
+    # (tokens, sequences, sampled rows): a verification samples every token, a batch a row a
+    # sequence
+    counts = [(t, 1, t) for t in range(1, k + 2) if t <= buckets.token_buckets[-1]]
+    counts += [(t, min(t, largest_seqs), min(t, largest_seqs)) for t in buckets.token_buckets
+               if t > k + 1]
+    for t, num_seqs, rows in counts:
+        q_lens = np.full(num_seqs, t // num_seqs) + (np.arange(num_seqs) < t % num_seqs)
+        shape = buckets.pick(t, num_seqs, -(-int(q_lens[0]) // buckets.page_size))
         num_rows = shape[1] if rows <= shape[1] else shape[0]
         si = empty_step_input(*shape, buckets.page_size, num_rows=num_rows)
-        if method is not None and rows > 1 and num_seqs == 1:
+        if method is not None and rows > num_seqs:
             _verify_nothing(si, k)
         if method == "draft":
             _fill_draft(si, [], _Rows([]), largest_seqs)
-        _real_tokens_on_the_null_page(si, t, per_seq)
+        _real_tokens_on_the_null_page(si, q_lens, rows)
         yield t, si
 
 
-def _real_tokens_on_the_null_page(si: StepInput, t: int, per_seq: int) -> None:
-    """`si`'s first t tokens become sequences of `per_seq` tokens (the last one shorter), each a
-    prompt from position 0 whose pages are all the null page."""
-    q_lens = [per_seq] * (t // per_seq) + ([t % per_seq] if t % per_seq else [])
-    n = len(q_lens)
+def _real_tokens_on_the_null_page(si: StepInput, q_lens: np.ndarray, rows: int) -> None:
+    """`si`'s first sum(q_lens) tokens become one sequence of each length (i64[n]), each a prompt
+    from position 0 whose pages are all the null page; its first `rows` rows sample every token
+    (rows == the tokens) or each sequence's last one."""
+    n, t = len(q_lens), int(q_lens.sum())
     si.cu_q_lens[1:n + 1] = np.cumsum(q_lens)
     si.cu_q_lens[n + 1:] = t
     si.kv_lens[:n] = q_lens
     si.num_seqs[0] = n
     si.positions[:t] = np.concatenate([np.arange(q) for q in q_lens])
-    rows = min(si.seeds.shape[0], n if n > 1 else t)
-    si.logits_indices[:rows] = (si.cu_q_lens[1:rows + 1] - 1 if n > 1 else np.arange(rows))
+    si.logits_indices[:rows] = np.arange(t) if rows == t else si.cu_q_lens[1:rows + 1] - 1
 
 
 def _fill_attention(si: StepInput, sched_out: SchedulerOutput, page_size: int) -> None:

@@ -1,7 +1,8 @@
+import numpy as np
 import pytest
 
 from jaxinfer.sched.buckets import StepBuckets, all_buckets, next_power_of_2, width_bucket
-from jaxinfer.sched.step_input import warmup_step_inputs
+from jaxinfer.sched.step_input import calibration_step_inputs, warmup_step_inputs
 from tests.sched.fake_runner import make_config
 
 
@@ -59,3 +60,32 @@ def test_intermediate_buckets_for_decode_sizes_between_powers_of_two():
 
 def test_width_bucket():
     assert [width_bucket(n) for n in (0, 1, 8, 9, 17)] == [8, 8, 8, 16, 32]
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_calibration_steps_are_warmed_up_layouts_of_real_tokens(max_num_seqs):
+    """Speculation's calibration steps: t real tokens (1 .. K + 1 as one verifying sequence,
+    then each larger bucket full, a row a sequence), each in a layout warm-up compiles (the same
+    shape, rows and optional arrays), on the null page only."""
+    cfg = make_config(page_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=32,
+                      speculative_method="ngram", num_speculative_tokens=4)
+
+    def layout(si):
+        return si.shape, si.seeds.shape[0], tuple(si.array_fields())
+
+    warm = {layout(si) for si in warmup_step_inputs(cfg, 64)}
+    steps = list(calibration_step_inputs(cfg, 64))
+    assert [t for t, _ in steps] == [1, 2, 3, 4, 5, 8, 16, 32]
+    for t, si in steps:
+        assert layout(si) in warm
+        n = int(si.num_seqs[0])
+        q_lens = np.diff(si.cu_q_lens)
+        assert si.cu_q_lens[-1] == t and (q_lens[:n] >= 1).all() and (q_lens[n:] == 0).all()
+        assert (si.kv_lens[:n] == q_lens[:n]).all() and (si.page_indices == 0).all()
+        assert (si.slot_mapping < cfg.page_size).all()  # the null page's slots
+        if t <= 5:  # one sequence verifying t - 1 drafts: every token a sampled row
+            assert n == 1 and (si.spec_row_ids is not None) == (t > 1)
+            assert si.logits_indices[:t].tolist() == list(range(t))
+        else:  # a batch (or a prefill with one sequence): a row a sequence, its last token
+            assert n == min(t, max_num_seqs) and si.spec_row_ids is None
+            assert si.logits_indices[:n].tolist() == (si.cu_q_lens[1:n + 1] - 1).tolist()
