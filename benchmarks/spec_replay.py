@@ -11,7 +11,7 @@ rejected so every step has the same shape; the median of --steps), and replays e
 through the proposer (`NgramProposer`) and the speculation policy (`SpecPolicy`):
 
 - "engine": the policy as the engine runs it, its draft costs from warm-up's calibration (steps
-  of padding, which cost less than real verifications: engine/llm_engine.py);
+  of real tokens on the null page, the best of 3: engine/llm_engine.py);
 - "measured costs": the same policy weighing drafts by the real verifications' costs;
 - "oracle": a policy that knows each answer, so it verifies exactly the drafts that will be
   accepted (as many as pay for their step) and never a rejected one: the most any policy can
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     llm = LLM(args.model, speculative_method="ngram", **common)
     ec = llm.engine.engine_config
     k = ec.num_speculative_tokens
-    llm.engine.warmup()  # compiles every shape; calibrates the policy on steps of padding
+    llm.engine.warmup()  # compiles every shape; calibrates the policy on timed steps
     engine_policy = llm.engine.spec_policy
     off = SamplingParams(max_tokens=args.max_tokens, temperature=0, spec_decode=False)
     workloads = {}
