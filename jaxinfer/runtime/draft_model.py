@@ -104,7 +104,8 @@ def propose_drafts(
         )
         hidden, kv = draft_model(jnp.where(act, tokens[order], 0), jnp.where(act, pos_o, 0), kv,
                                  step_md, attention_backend=attention_backend)
-        logits = draft_model.compute_logits(hidden)[jnp.argsort(order)]  # f32[S, V] in seq order
+        logits = draft_model.compute_logits(hidden, step_md.num_real_tokens)  # f32[S, V]
+        logits = logits[jnp.argsort(order)]  # in seq order; inactive ones' rows are zero
         new_tokens, q = draft_sample(logits, seq_md, pos + 1)
         drafts = drafts.at[:, i].set(jnp.where(active, new_tokens, -1))
         store = store.at[jnp.where(active, draft.store_rows, store.shape[0]), i].set(q, mode="drop")
