@@ -19,8 +19,9 @@ limit and max_tokens:
    plus draft tokens, shared evenly among the n requests running or waiting:
    k <= spec_max_batched_tokens // n - 1. At 64: n <= 12 -> k = 4, 16 -> 3, 21 -> 2, 32 -> 1,
    n > 32 -> speculation off. The budget is the device's knee: `LLMEngine.warmup()` times steps
-   of 1 .. K + 1 tokens and of each larger token bucket and, unless spec_max_batched_tokens is set, takes the largest one whose
-   time stays within KNEE_SLOWDOWN (1.5x) of a one-token step (64 until then), but never less
+   of 1 .. K + 1 tokens and of each larger token bucket and, unless spec_max_batched_tokens is
+   set, takes the largest one whose time stays within KNEE_SLOWDOWN (1.5x) of a one-token step
+   (64 until then), but never less
    than min(K, SHARED_DRAFTS) + 1, and for a request alone in the engine never less than K + 1,
    its full verification. Where a step's time grows with its tokens from the start (a small
    CPU), single streams then speculate (rule 1 weighs what it costs) and batches mostly do not:
