@@ -20,6 +20,11 @@ a check whether its product of one layer's matrix equals this version's bit for 
 --q8-against times another version of `quant_matmul_q8.cc` (the int8-activation kernel) beside
 this one (implies --int8-activations), after the same check of one layer's product.
 
+--padded also times the kernels (float x, and int8 x where --int8-activations) on the same codes
+kept at the row stride the engine gives them on the CPU (`padded_stride`: rows of an odd number
+of cache lines; the gate/up matrix's 3072 columns and the LM head's 49,152 take 64 more), after a
+check that the products are equal bit for bit.
+
 --lm-head times SmolLM2's LM head instead (int8 codes in groups of 32, f16 scales: the GGUF's
 Q8_0 [576, 49152], ~30 MB) and passes over a 64 MiB buffer before every timed call, so that the
 head comes from memory as it does in a step (where the layers' weights pass through the caches
@@ -87,6 +92,44 @@ def lm_head_codes(rng):
             jnp.asarray((rng.random((HIDDEN // 32, VOCAB)) * 0.01).astype(np.float16)))
 
 
+def padded(w):
+    """A weight's arrays (values, scales[, mins]) with rows `padded_stride` columns long."""
+    stride = cpu_quant.padded_stride(w[0].shape[1])
+    return tuple(jnp.pad(a, ((0, 0), (0, stride - a.shape[1]))) for a in w)
+
+
+def padded_runs(runs: dict, weights, matmul, int8_activations: bool, columns) -> None:
+    """Adds the --padded runs to `runs`: `matmul(x, w, int8_activations, n)` on `weights` (a
+    pytree of padded weights), `columns(w)` their N."""
+    runs["padded"] = (matmul(False, columns), weights)
+    if int8_activations:
+        runs["q8_padded"] = (matmul(True, columns), weights)
+
+
+def padded_cells(best: dict, runs: dict, x, w, columns: int) -> str:
+    """The --padded columns of a row: ms, ratio to the unpadded kernel, and whether the product
+    of x and the weight `w` ((values, scales[, mins]), `columns` wide) is bitwise the same at
+    the padded stride."""
+    cells = ""
+    for name, base in (("padded", "kernel"), ("q8_padded", "q8")):
+        if name not in runs:
+            continue
+        bits, q8 = (4 if len(w) == 3 else 8), name == "q8_padded"
+        mul = lambda w, n: cpu_quant.quant_matmul(  # noqa: E731
+            x, *w, *([None] if len(w) == 2 else []), bits=bits, group_size=32,
+            int8_activations=q8, columns=n)
+        same = bool(jnp.array_equal(mul(w, None), mul(padded(w), columns)))
+        cells += f" {best[name] * 1e3:.2f} | {best[name] / best[base]:.2f}x | {same} |"
+    return cells
+
+
+def padded_head(int8_activations: bool) -> str:
+    head = " padded stride, ms | padded / kernel | bitwise equal |"
+    if int8_activations:
+        head += " int8 activations, padded, ms | padded / int8 activations | bitwise equal |"
+    return head
+
+
 def best_times(runs: dict, x, rounds: int, before=None) -> dict[str, float]:
     """{name: best seconds} of `runs` ({name: (fn, weights)}) on x, interleaved round by round
     after a first call each (the compile); `before()` runs untimed before every timed call. Each
@@ -139,6 +182,8 @@ def main(argv=None) -> int:
                     help="also the kernel with x rounded to int8 (integer dot products)")
     ap.add_argument("--q8-against", type=Path,
                     help="another version of quant_matmul_q8.cc (implies --int8-activations)")
+    ap.add_argument("--padded", action="store_true",
+                    help="also the kernels on the codes at the engine's padded row stride")
     ap.add_argument("--lm-head", action="store_true",
                     help="the LM head (Q8_0 [576, 49152]) from memory instead of the 30 layers")
     args = ap.parse_args(argv)
@@ -166,6 +211,13 @@ def main(argv=None) -> int:
         q8_against = int4_matmul(build.load_variant(args.q8_against, "quant_matmul_q8",
                                                     "JaxinferQuantMatmulQ8", "against"))
         runs["q8_against"] = (layers(q8_against), quantized)
+    if args.padded:
+        unpadded = {cpu_quant.padded_stride(n): n for _, n in SHAPES}
+        padded_runs(runs, [[padded(w) for w in layer] for layer in quantized],
+                    lambda q8, columns: layers(lambda x, w: cpu_quant.quant_matmul(
+                        x, *w, bits=4, group_size=32, int8_activations=q8,
+                        columns=columns(w))),
+                    args.int8_activations, lambda w: unpadded[w[0].shape[1]])
     flush = cache_flush()
     print(f"SmolLM2-135M's 30 layers of weight matmuls, one jitted call ({jax.devices()[0]}, "
           f"{os.cpu_count()} cores; best of {args.rounds} rounds, interleaved, caches flushed)")
@@ -177,6 +229,8 @@ def main(argv=None) -> int:
     if args.q8_against:
         head += (f" {args.q8_against.name}, ms | {args.q8_against.name} / int8 activations |"
                  " bitwise equal |")
+    if args.padded:
+        head += padded_head(args.int8_activations)
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
     for m in (int(r) for r in args.rows.split(",")):
@@ -199,6 +253,8 @@ def main(argv=None) -> int:
                                                     int8_activations=True))(x, w)))
             row += (f" {best['q8_against'] * 1e3:.1f} | {best['q8_against'] / best['q8']:.2f}x |"
                     f" {same} |")
+        if args.padded:  # one layer's gate/up matrix, [576, 3072]
+            row += padded_cells(best, runs, x, quantized[0][2], SHAPES[2][1])
         print(row, flush=True)
     return 0
 
@@ -222,6 +278,11 @@ def lm_head(args) -> int:
         q8_against = jax.jit(int8_matmul(build.load_variant(
             args.q8_against, "quant_matmul_q8", "JaxinferQuantMatmulQ8", "against")))
         runs["q8_against"] = (q8_against, head)
+    if args.padded:
+        padded_runs(runs, padded(head), lambda q8, columns: jax.jit(
+            lambda x, w: cpu_quant.quant_matmul(x, *w, None, bits=8, group_size=32,
+                                                int8_activations=q8, columns=columns)),
+                    args.int8_activations, VOCAB)
     flush = cache_flush()
     print(f"SmolLM2-135M's LM head, int8 codes [576, 49152] ({jax.devices()[0]}, "
           f"{os.cpu_count()} cores; best of {args.rounds} rounds, interleaved, caches flushed)")
@@ -233,6 +294,8 @@ def lm_head(args) -> int:
     if args.q8_against:
         head_row += (f" {args.q8_against.name}, ms | {args.q8_against.name} / int8 activations |"
                      " bitwise equal |")
+    if args.padded:
+        head_row += padded_head(args.int8_activations)
     print(head_row)
     print("|---" * (head_row.count("|") - 1) + "|")
     nbytes = HIDDEN * VOCAB + (HIDDEN // 32) * VOCAB * 2
@@ -251,6 +314,8 @@ def lm_head(args) -> int:
             same = bool(jnp.array_equal(q8_against(x, head), runs["q8"][0](x, head)))
             row += (f" {best['q8_against'] * 1e3:.2f} | {best['q8_against'] / best['q8']:.2f}x |"
                     f" {same} |")
+        if args.padded:
+            row += padded_cells(best, runs, x, head, VOCAB)
         print(row, flush=True)
     return 0
 

@@ -6,6 +6,9 @@
 //   bits 4: values u8[K/2, N]; the low nibble of row i is row i of W, the high nibble row
 //           K/2 + i; symmetric w = (q - 8) * scale, asymmetric w = q * scale + min
 //   scales (mins): f16 or f32 [G, N]
+//   their rows may be longer than N: a stride padded so that consecutive rows do not fall in
+//   the same cache sets (QuantizedWeight.padded in quant/format.py). y's shape says N, the
+//   arrays' the stride.
 // The weight is read once, straight from its packed form: no float copy of it is ever written.
 // Within a group the integer codes are widened and multiplied into per-row accumulators, and
 // the group's scale (and minimum, times the group's sum of x) is applied once per column:
@@ -58,6 +61,7 @@ struct Problem {
   bool f16_params;
   int bits;
   int64_t m, k, n, group_size;
+  int64_t ld;  // the row stride of values, scales and mins: N, or more (PaddedStride)
 };
 
 // Rows [m0, m0 + R) of y, columns [c0, c0 + kCols) (c0 + kCols <= n), int8 weights.
@@ -71,8 +75,8 @@ void Int8Block(const Problem& p, int64_t m0, int64_t c0) {
     float acc[R][kCols] = {};
     const int64_t k_end = std::min(p.k, (g + 1) * gs);
     for (int64_t k = g * gs; k < k_end; ++k) {
-      const int8_t* row = q + k * p.n + c0;
-      if (k + kPrefetchRows < p.k) __builtin_prefetch(row + kPrefetchRows * p.n);
+      const int8_t* row = q + k * p.ld + c0;
+      if (k + kPrefetchRows < p.k) __builtin_prefetch(row + kPrefetchRows * p.ld);
       float w[kCols];
 #pragma omp simd
       for (int64_t j = 0; j < kCols; ++j) w[j] = static_cast<float>(row[j]);
@@ -82,7 +86,7 @@ void Int8Block(const Problem& p, int64_t m0, int64_t c0) {
         for (int64_t j = 0; j < kCols; ++j) acc[r][j] += xv * w[j];
       }
     }
-    const int64_t param_row = g * p.n + c0;
+    const int64_t param_row = g * p.ld + c0;
     load_params(static_cast<const char*>(p.scales) + param_row * (p.f16_params ? 2 : 4),
                 p.f16_params, kCols, scale);
     for (int r = 0; r < R; ++r) {
@@ -107,8 +111,8 @@ void Int4Block(const Problem& p, int64_t m0, int64_t c0) {
     float acc_lo[R][kCols] = {}, acc_hi[R][kCols] = {};
     float sum_lo[R] = {}, sum_hi[R] = {};
     for (int64_t i = g * gs; i < (g + 1) * gs; ++i) {
-      const uint8_t* row = q + i * p.n + c0;
-      if (i + kPrefetchRows < kh) __builtin_prefetch(row + kPrefetchRows * p.n);
+      const uint8_t* row = q + i * p.ld + c0;
+      if (i + kPrefetchRows < kh) __builtin_prefetch(row + kPrefetchRows * p.ld);
       float lo[kCols], hi[kCols];
 #pragma omp simd
       for (int64_t j = 0; j < kCols; ++j) {
@@ -128,12 +132,12 @@ void Int4Block(const Problem& p, int64_t m0, int64_t c0) {
     }
     const int64_t g_hi = g + half_groups;
     const char* sc = static_cast<const char*>(p.scales);
-    load_params(sc + (g * p.n + c0) * psize, p.f16_params, kCols, s_lo);
-    load_params(sc + (g_hi * p.n + c0) * psize, p.f16_params, kCols, s_hi);
+    load_params(sc + (g * p.ld + c0) * psize, p.f16_params, kCols, s_lo);
+    load_params(sc + (g_hi * p.ld + c0) * psize, p.f16_params, kCols, s_hi);
     if (asym) {
       const char* mn = static_cast<const char*>(p.mins);
-      load_params(mn + (g * p.n + c0) * psize, p.f16_params, kCols, m_lo);
-      load_params(mn + (g_hi * p.n + c0) * psize, p.f16_params, kCols, m_hi);
+      load_params(mn + (g * p.ld + c0) * psize, p.f16_params, kCols, m_lo);
+      load_params(mn + (g_hi * p.ld + c0) * psize, p.f16_params, kCols, m_hi);
     }
     for (int r = 0; r < R; ++r) {
       // asymmetric: w = q s + min; symmetric: w = (q - 8) s = q s - 8 s
@@ -172,8 +176,8 @@ void Int8BlockAvx512(const Problem& p, int64_t m0, int64_t c0) {
     const int64_t k_end = std::min(p.k, (g + 1) * gs);
     for (int64_t k = g * gs; k < k_end; ++k) {
       if (k + kPrefetchRows < p.k)
-        _mm_prefetch(reinterpret_cast<const char*>(q + (k + kPrefetchRows) * p.n + c0), _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(q + k * p.n + c0);
+        _mm_prefetch(reinterpret_cast<const char*>(q + (k + kPrefetchRows) * p.ld + c0), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(q + k * p.ld + c0);
       __m512 w[4];
       w[0] = i8_to_ps(_mm512_extracti32x4_epi32(v, 0));
       w[1] = i8_to_ps(_mm512_extracti32x4_epi32(v, 1));
@@ -185,7 +189,7 @@ void Int8BlockAvx512(const Problem& p, int64_t m0, int64_t c0) {
       }
     }
     for (int j = 0; j < 4; ++j) {
-      const __m512 sc = load_param16(p.scales, g * p.n + c0 + 16 * j, p.f16_params);
+      const __m512 sc = load_param16(p.scales, g * p.ld + c0 + 16 * j, p.f16_params);
       for (int r = 0; r < R; ++r) out[r][j] = _mm512_fmadd_ps(acc[r][j], sc, out[r][j]);
     }
   }
@@ -210,9 +214,9 @@ void Int4BlockAvx512(const Problem& p, int64_t m0, int64_t c0) {
       for (int j = 0; j < 4; ++j) acc_lo[r][j] = acc_hi[r][j] = _mm512_setzero_ps();
     }
     for (int64_t i = g * gs; i < (g + 1) * gs; ++i) {
-      const uint8_t* row = q + i * p.n + c0;
+      const uint8_t* row = q + i * p.ld + c0;
       if (i + kPrefetchRows < kh)
-        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.n), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.ld), _MM_HINT_T0);
       __m512 lo[4], hi[4];
       for (int h = 0; h < 2; ++h) {  // columns 32 h .. 32 h + 31
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * h));
@@ -237,12 +241,12 @@ void Int4BlockAvx512(const Problem& p, int64_t m0, int64_t c0) {
     const int64_t g_hi = g + half_groups;
     for (int j = 0; j < 4; ++j) {
       const int64_t col = c0 + 16 * j;
-      const __m512 s_lo = load_param16(p.scales, g * p.n + col, p.f16_params);
-      const __m512 s_hi = load_param16(p.scales, g_hi * p.n + col, p.f16_params);
+      const __m512 s_lo = load_param16(p.scales, g * p.ld + col, p.f16_params);
+      const __m512 s_hi = load_param16(p.scales, g_hi * p.ld + col, p.f16_params);
       // asymmetric: w = q s + min; symmetric: w = (q - 8) s = q s - 8 s
-      const __m512 off_lo = asym ? load_param16(p.mins, g * p.n + col, p.f16_params)
+      const __m512 off_lo = asym ? load_param16(p.mins, g * p.ld + col, p.f16_params)
                                  : _mm512_mul_ps(s_lo, _mm512_set1_ps(-8.0f));
-      const __m512 off_hi = asym ? load_param16(p.mins, g_hi * p.n + col, p.f16_params)
+      const __m512 off_hi = asym ? load_param16(p.mins, g_hi * p.ld + col, p.f16_params)
                                  : _mm512_mul_ps(s_hi, _mm512_set1_ps(-8.0f));
       for (int r = 0; r < R; ++r) {
         __m512 o = _mm512_fmadd_ps(acc_lo[r][j], s_lo, out[r][j]);
@@ -308,7 +312,7 @@ void Int4RowSegment(const Problem& p, int64_t c0, int64_t a, int64_t b, int64_t 
     for (int t = 0; t < 4; ++t) acc_lo[c][t] = acc_hi[c][t] = _mm512_setzero_ps();
   float sum_lo = 0.0f, sum_hi = 0.0f;
   for (int64_t i = a; i < b; ++i) {
-    const uint8_t* row = q + i * p.n + c0;
+    const uint8_t* row = q + i * p.ld + c0;
     for (int c = 0; c < C; ++c) ahead.Next();
     const float xl = p.x[i], xh = p.x[kh + i];
     sum_lo += xl;
@@ -331,12 +335,12 @@ void Int4RowSegment(const Problem& p, int64_t c0, int64_t a, int64_t b, int64_t 
     __m512 s_lo[4], s_hi[4], o_lo[4], o_hi[4];
     for (int j = 0; j < 4; ++j) {
       const int64_t col = c0 + 64 * c + 16 * j;
-      s_lo[j] = load_param16(p.scales, g * p.n + col, p.f16_params);
-      s_hi[j] = load_param16(p.scales, g_hi * p.n + col, p.f16_params);
+      s_lo[j] = load_param16(p.scales, g * p.ld + col, p.f16_params);
+      s_hi[j] = load_param16(p.scales, g_hi * p.ld + col, p.f16_params);
       // asymmetric: w = q s + min; symmetric: w = (q - 8) s = q s - 8 s
-      o_lo[j] = asym ? load_param16(p.mins, g * p.n + col, p.f16_params)
+      o_lo[j] = asym ? load_param16(p.mins, g * p.ld + col, p.f16_params)
                      : _mm512_mul_ps(s_lo[j], _mm512_set1_ps(-8.0f));
-      o_hi[j] = asym ? load_param16(p.mins, g_hi * p.n + col, p.f16_params)
+      o_hi[j] = asym ? load_param16(p.mins, g_hi * p.ld + col, p.f16_params)
                      : _mm512_mul_ps(s_hi[j], _mm512_set1_ps(-8.0f));
     }
     for (int t = 0; t < 4; ++t) {
@@ -358,7 +362,7 @@ void Int8RowSegment(const Problem& p, int64_t c0, int64_t a, int64_t b, int64_t 
   for (int c = 0; c < C; ++c)
     for (int j = 0; j < 4; ++j) acc[c][j] = _mm512_setzero_ps();
   for (int64_t i = a; i < b; ++i) {
-    const int8_t* row = q + i * p.n + c0;
+    const int8_t* row = q + i * p.ld + c0;
     for (int c = 0; c < C; ++c) ahead.Next();
     const __m512 xv = _mm512_set1_ps(p.x[i]);
     for (int c = 0; c < C; ++c) {
@@ -369,7 +373,7 @@ void Int8RowSegment(const Problem& p, int64_t c0, int64_t a, int64_t b, int64_t 
   }
   for (int c = 0; c < C; ++c)
     for (int j = 0; j < 4; ++j) {
-      const __m512 sc = load_param16(p.scales, g * p.n + c0 + 64 * c + 16 * j, p.f16_params);
+      const __m512 sc = load_param16(p.scales, g * p.ld + c0 + 64 * c + 16 * j, p.f16_params);
       float* dst = part + c0 + 64 * c + 16 * j;
       _mm512_storeu_ps(dst, _mm512_fmadd_ps(acc[c][j], sc, _mm512_loadu_ps(dst)));
     }
@@ -407,7 +411,7 @@ RowSplit SplitOneRow(const Problem& p, int64_t threads) {
 template <int Bits>
 void RowRange(const Problem& p, const RowSplit& split, int64_t r0, int64_t r1, int64_t c0,
               int64_t c1, float* part) {
-  PrefetchStream ahead{static_cast<const uint8_t*>(p.values), p.n, c0, c1,
+  PrefetchStream ahead{static_cast<const uint8_t*>(p.values), p.ld, c0, c1,
                        std::min(r1, r0 + split.ahead_rows), r1, c0};
   for (int64_t a = r0; a < r1;) {
     const int64_t g = a / p.group_size, b = std::min(r1, (g + 1) * p.group_size);
@@ -503,11 +507,11 @@ void DequantPanel(const Problem& p, int64_t c0, int64_t i0, int64_t i1, float* l
     for (int64_t i = i0; i < i1; ++i) {
       if (i / gs != group) {
         group = i / gs;
-        for (int j = 0; j < 4; ++j) s_lo[j] = load_param16(p.scales, group * p.n + c0 + 16 * j, p.f16_params);
+        for (int j = 0; j < 4; ++j) s_lo[j] = load_param16(p.scales, group * p.ld + c0 + 16 * j, p.f16_params);
       }
       if (i + kPrefetchRows < i1)
-        _mm_prefetch(reinterpret_cast<const char*>(q + (i + kPrefetchRows) * p.n + c0), _MM_HINT_T0);
-      const __m512i v = _mm512_loadu_si512(q + i * p.n + c0);
+        _mm_prefetch(reinterpret_cast<const char*>(q + (i + kPrefetchRows) * p.ld + c0), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(q + i * p.ld + c0);
       float* out = lo + (i - i0) * kWideCols;
       for (int j = 0; j < 4; ++j)
         _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(i8_to_ps(_mm512_extracti32x4_epi32(v, j)), s_lo[j]));
@@ -522,18 +526,18 @@ void DequantPanel(const Problem& p, int64_t c0, int64_t i0, int64_t i1, float* l
       group = i / gs;
       for (int j = 0; j < 4; ++j) {
         const int64_t col = c0 + 16 * j;
-        s_lo[j] = load_param16(p.scales, group * p.n + col, p.f16_params);
-        s_hi[j] = load_param16(p.scales, (group + half_groups) * p.n + col, p.f16_params);
+        s_lo[j] = load_param16(p.scales, group * p.ld + col, p.f16_params);
+        s_hi[j] = load_param16(p.scales, (group + half_groups) * p.ld + col, p.f16_params);
         // asymmetric: w = q s + min; symmetric: w = (q - 8) s = q s - 8 s (both exact in f32)
-        o_lo[j] = asym ? load_param16(p.mins, group * p.n + col, p.f16_params)
+        o_lo[j] = asym ? load_param16(p.mins, group * p.ld + col, p.f16_params)
                        : _mm512_mul_ps(s_lo[j], _mm512_set1_ps(-8.0f));
-        o_hi[j] = asym ? load_param16(p.mins, (group + half_groups) * p.n + col, p.f16_params)
+        o_hi[j] = asym ? load_param16(p.mins, (group + half_groups) * p.ld + col, p.f16_params)
                        : _mm512_mul_ps(s_hi[j], _mm512_set1_ps(-8.0f));
       }
     }
-    const uint8_t* row = q + i * p.n + c0;
+    const uint8_t* row = q + i * p.ld + c0;
     if (i + kPrefetchRows < i1)
-      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.n), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.ld), _MM_HINT_T0);
     float* out_lo = lo + (i - i0) * kWideCols;
     float* out_hi = hi + (i - i0) * kWideCols;
     for (int h = 0; h < 2; ++h) {  // columns 32 h .. 32 h + 31
@@ -661,10 +665,14 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   p.bits = static_cast<int>(bits);
   p.m = jaxinfer::RealRows(num_rows.typed_data(), xd[0]);
   p.k = xd[1];
-  p.n = vd[1];
+  p.n = y->dimensions()[1];
+  p.ld = vd[1];
   p.group_size = group_size;
   if (p.n % kCols != 0) {
     return ffi::Error::InvalidArgument("the number of output columns must be a multiple of 32");
+  }
+  if (p.n > p.ld || scales.dimensions().back() != p.ld) {
+    return ffi::Error::InvalidArgument("values and scales must have as many columns, at least N");
   }
   jaxinfer::ZeroRowsFrom(p.y, p.m, xd[0], p.n);
   if (p.m == 0) return ffi::Error::Success();
@@ -689,17 +697,17 @@ void DequantizeColumns(const Problem& p, float* w, int64_t c0, int64_t c1) {
   std::vector<float> scale(width), minimum(width);
   const int64_t num_groups = (p.k + gs - 1) / gs;
   for (int64_t g = 0; g < num_groups; ++g) {
-    load_params(sc + (g * p.n + c0) * psize, p.f16_params, width, scale.data());
-    if (p.mins != nullptr) load_params(mn + (g * p.n + c0) * psize, p.f16_params, width, minimum.data());
+    load_params(sc + (g * p.ld + c0) * psize, p.f16_params, width, scale.data());
+    if (p.mins != nullptr) load_params(mn + (g * p.ld + c0) * psize, p.f16_params, width, minimum.data());
     for (int64_t k = g * gs; k < std::min(p.k, (g + 1) * gs); ++k) {
       float* out = w + k * p.n + c0;
       if (p.bits == 8) {
-        const int8_t* q = static_cast<const int8_t*>(p.values) + k * p.n + c0;
+        const int8_t* q = static_cast<const int8_t*>(p.values) + k * p.ld + c0;
 #pragma omp simd
         for (int64_t j = 0; j < width; ++j) out[j] = static_cast<float>(q[j]) * scale[j];
       } else {
         const int64_t kh = (p.k + 1) / 2;
-        const uint8_t* q = static_cast<const uint8_t*>(p.values) + (k % kh) * p.n + c0;
+        const uint8_t* q = static_cast<const uint8_t*>(p.values) + (k % kh) * p.ld + c0;
         const int shift = k < kh ? 0 : 4;
         if (p.mins != nullptr) {
 #pragma omp simd
@@ -725,8 +733,12 @@ ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::AnyBuffer values, ffi::AnyB
   p.f16_params = scales.element_type() == ffi::DataType::F16;
   p.bits = static_cast<int>(bits);
   p.k = k;
-  p.n = values.dimensions()[1];
+  p.n = w->dimensions()[1];
+  p.ld = values.dimensions()[1];
   p.group_size = group_size;
+  if (p.n > p.ld || scales.dimensions().back() != p.ld) {
+    return ffi::Error::InvalidArgument("values and scales must have as many columns, at least N");
+  }
   float* out = w->typed_data();
   jaxinfer::ParallelFor(pool, (p.n + kItemCols - 1) / kItemCols, p.k * p.n, [&](int64_t i) {
     DequantizeColumns(p, out, i * kItemCols, std::min(p.n, (i + 1) * kItemCols));

@@ -57,6 +57,24 @@ def _validate(x, values, scales, mins, bits, group_size) -> None:
         raise ValueError(f"{mins.shape=} {mins.dtype=} must match the scales")
 
 
+def padded_stride(n: int) -> int:
+    """The row stride (in columns) at which a weight of N columns of 1-byte codes is best kept:
+    N where N / 64 is odd, else N + 64. The kernels walk each block of columns down the code
+    rows, one cache line a row; where a row is an even number of lines long, those lines fall
+    in a fraction of the caches' sets (all in one set of L1 where it is a multiple of 4 KiB) and
+    evict each other before they are used. An odd number of lines spreads them over every set:
+    SmolLM2's LM head (N = 49,152) and a 4096-wide int4 matrix run ~10% faster at 1 and 9 rows
+    of x (docs/performance.md). Other N (not a multiple of 64 columns) are left as they are."""
+    return n if n % 64 or (n // 64) % 2 else n + 64
+
+
+def _columns(values: jax.Array, columns: int | None) -> int:
+    n = values.shape[1] if columns is None else columns
+    if not 0 < n <= values.shape[1]:
+        raise ValueError(f"{columns=} must be in [1, {values.shape[1]}] (the values' columns)")
+    return n
+
+
 def quant_matmul(
     x: jax.Array,  # [M, K] f32 | bf16
     values: jax.Array,  # i8[K, N] | u8[K/2, N]
@@ -67,17 +85,20 @@ def quant_matmul(
     group_size: int,
     int8_activations: bool = False,
     num_rows: jax.Array | None = None,  # i32[] (traced): x's real rows, the first ones
+    columns: int | None = None,  # N, where the arrays' rows are longer (a padded stride)
 ) -> jax.Array:  # [M, N] in x.dtype
     """x @ dequantize(W). `int8_activations`: x rounded to int8 per group of the weight and the
     products taken in integers (quant_matmul_q8.cc; `quant_matmul_q8_reference` says exactly
     what it computes). `num_rows`: only x's first num_rows rows (clamped to [0, M]) are
     multiplied and the rest of the result is zero, so a step padded to its token bucket pays for
     its real rows only (None: all M); with int8 activations a row's result does not depend on
-    it. Raises NotImplementedError for a layout the kernel does not take (N not a multiple of
-    32, or of 64 with int8 activations; int4 with odd K or K/2 not a multiple of the group size)
-    or when the kernel is not available on this machine."""
+    it. `columns`: the weight's N where values, scales and mins have more columns than that, a
+    row stride padded so that consecutive rows do not share cache sets (`padded_stride`; the
+    columns past N are never read). Raises NotImplementedError for a layout the kernel does not
+    take (N not a multiple of 32, or of 64 with int8 activations; int4 with odd K or K/2 not a
+    multiple of the group size) or when the kernel is not available on this machine."""
     _validate(x, values, scales, mins, bits, group_size)
-    k, n = x.shape[1], values.shape[1]
+    k, n = x.shape[1], _columns(values, columns)
     if n % COLUMN_MULTIPLE:
         raise NotImplementedError(f"N={n} is not a multiple of {COLUMN_MULTIPLE}")
     if bits == 4 and (k % 2 or (k // 2) % group_size):
@@ -105,13 +126,15 @@ def quant_matmul(
 
 
 def dequantize(values: jax.Array, scales: jax.Array, mins: jax.Array | None = None, *, bits: int,
-               group_size: int, k: int) -> jax.Array:  # f32[K, N]
+               group_size: int, k: int, columns: int | None = None) -> jax.Array:  # f32[K, N]
     """The weight as f32 (for products of many rows, which a dense matmul does faster), read
-    at memory speed. NotImplementedError when the kernel is not available."""
+    at memory speed; `columns` as quant_matmul's. NotImplementedError when the kernel is not
+    available."""
     target = build.load("quant_matmul", "JaxinferDequantize")
     if target is None:
         raise NotImplementedError("the CPU dequantize kernel is not available here")
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((k, values.shape[1]), jnp.float32))
+    n = _columns(values, columns)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((k, n), jnp.float32))
     return call(values, scales, mins if mins is not None else jnp.zeros((1,), scales.dtype),
                 bits=np.int64(bits), group_size=np.int64(group_size),
                 has_mins=np.int64(mins is not None), k=np.int64(k))

@@ -57,6 +57,7 @@ struct Problem {
   bool f16_params;
   int bits;
   int64_t m, k, n, group_size;
+  int64_t ld;  // the row stride of values, scales and mins: N, or more (quant_matmul.cc)
   // x quantized (QuantizeRows)
   const int8_t* xq;   // [M, K]
   const uint8_t* xu;  // [M, K] xq + 128 (int8 weights: vpdpbusd takes one unsigned side)
@@ -112,9 +113,9 @@ void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t gs, int8_t* xq, 
 }
 
 inline int Code(const Problem& p, int64_t kk, int64_t col) {
-  if (p.bits == 8) return static_cast<const int8_t*>(p.values)[kk * p.n + col];
+  if (p.bits == 8) return static_cast<const int8_t*>(p.values)[kk * p.ld + col];
   const int64_t kh = p.k / 2;
-  const uint8_t byte = static_cast<const uint8_t*>(p.values)[(kk % kh) * p.n + col];
+  const uint8_t byte = static_cast<const uint8_t*>(p.values)[(kk % kh) * p.ld + col];
   return kk < kh ? (byte & 15) : (byte >> 4);
 }
 
@@ -127,10 +128,10 @@ void PlainColumns(const Problem& p, float* y, int64_t c0, int64_t c1) {
   for (int64_t r = 0; r < p.m; ++r)
     for (int64_t j = 0; j < width; ++j) y[r * p.n + c0 + j] = 0.0f;
   for (int64_t g = 0; g < p.num_groups; ++g) {
-    load_params(static_cast<const char*>(p.scales) + (g * p.n + c0) * psize, p.f16_params, width,
+    load_params(static_cast<const char*>(p.scales) + (g * p.ld + c0) * psize, p.f16_params, width,
                 scale.data());
     if (p.mins != nullptr) {
-      load_params(static_cast<const char*>(p.mins) + (g * p.n + c0) * psize, p.f16_params, width,
+      load_params(static_cast<const char*>(p.mins) + (g * p.ld + c0) * psize, p.f16_params, width,
                   minimum.data());
     } else if (p.bits == 4) {
       for (int64_t j = 0; j < width; ++j) minimum[j] = -8.0f * scale[j];
@@ -383,7 +384,7 @@ struct Ahead {
   Ahead(const Problem& p, int64_t c0, int blocks, int b, int64_t row0, int64_t code_rows) {
     const int64_t next = b + kAheadBlocks, r = row0 + next / blocks * kPartK;
     if (r >= code_rows) return;
-    base = static_cast<const uint8_t*>(p.values) + r * p.n + c0 + 64 * (next % blocks);
+    base = static_cast<const uint8_t*>(p.values) + r * p.ld + c0 + 64 * (next % blocks);
     rows = code_rows - r;
   }
 
@@ -399,11 +400,11 @@ inline void UnpackInt4(const Problem& p, int64_t col, int64_t i0, int64_t chunks
   const uint8_t* q = static_cast<const uint8_t*>(p.values);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t ch = 0; ch < chunks; ++ch) {
-    const uint8_t* row = q + (i0 + 4 * ch) * p.n + col;
+    const uint8_t* row = q + (i0 + 4 * ch) * p.ld + col;
     __m512i l[4], h[4];
     for (int t = 0; t < 4; ++t) {
-      ahead.Fetch(4 * ch + t, p.n);
-      const __m512i v = _mm512_loadu_si512(row + t * p.n);
+      ahead.Fetch(4 * ch + t, p.ld);
+      const __m512i v = _mm512_loadu_si512(row + t * p.ld);
       l[t] = _mm512_and_si512(v, low4);
       h[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     }
@@ -435,13 +436,13 @@ void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
         for (int b = 0; b < blocks; ++b) {
           const int64_t col = c0 + 64 * b;
           UnpackInt4(p, col, i0, chunks, lo, hi, Ahead(p, c0, blocks, b, i0, p.k / 2));
-          LoadPermuted(p.scales, g * p.n + col, p.f16_params, s_lo);
-          LoadPermuted(p.scales, g_hi * p.n + col, p.f16_params, s_hi);
+          LoadPermuted(p.scales, g * p.ld + col, p.f16_params, s_lo);
+          LoadPermuted(p.scales, g_hi * p.ld + col, p.f16_params, s_hi);
           // the minimum term once per group, with the group's first part
           const bool first = i0 == g * gs;
           if (first && p.mins != nullptr) {
-            LoadPermuted(p.mins, g * p.n + col, p.f16_params, o_lo);
-            LoadPermuted(p.mins, g_hi * p.n + col, p.f16_params, o_hi);
+            LoadPermuted(p.mins, g * p.ld + col, p.f16_params, o_lo);
+            LoadPermuted(p.mins, g_hi * p.ld + col, p.f16_params, o_hi);
           } else if (first) {
             for (int v = 0; v < 4; ++v) {
               o_lo[v] = _mm512_mul_ps(s_lo[v], minus8);
@@ -477,17 +478,17 @@ void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
       for (int b = 0; b < blocks; ++b) {
         const Ahead ahead(p, c0, blocks, b, k0, p.k);
         for (int64_t ch = 0; ch < chunks; ++ch) {
-          const int8_t* row = q + (k0 + 4 * ch) * p.n + c0 + 64 * b;
+          const int8_t* row = q + (k0 + 4 * ch) * p.ld + c0 + 64 * b;
           __m512i r[4];
           for (int t = 0; t < 4; ++t) {
-            ahead.Fetch(4 * ch + t, p.n);
-            r[t] = _mm512_loadu_si512(row + t * p.n);
+            ahead.Fetch(4 * ch + t, p.ld);
+            r[t] = _mm512_loadu_si512(row + t * p.ld);
           }
           Interleave4(r[0], r[1], r[2], r[3], lo + 4 * ch);
         }
 #ifdef JAXINFER_Q8_AMX
         if (amx) {  // signed x times signed codes: no correction
-          LoadPermuted(p.scales, g * p.n + c0 + 64 * b, p.f16_params, s_lo);
+          LoadPermuted(p.scales, g * p.ld + c0 + 64 * b, p.f16_params, s_lo);
           AmxRows<true>(p, g, k0, lo, s_lo, nullptr, out + 64 * b, ow);
           continue;
         }
@@ -498,7 +499,7 @@ void VnniColumns(const Problem& p, int64_t c0, int blocks, float* out) {
           for (int64_t ch = 0; ch < chunks; ++ch)
             corr[v] = _mm512_dpbusd_epi32(corr[v], bias, lo[4 * ch + v]);
         }
-        LoadPermuted(p.scales, g * p.n + c0 + 64 * b, p.f16_params, s_lo);
+        LoadPermuted(p.scales, g * p.ld + c0 + 64 * b, p.f16_params, s_lo);
         Rows<true>(p, g, k0, chunks, lo, corr, s_lo, nullptr, out + 64 * b, ow);
       }
     }
@@ -539,7 +540,8 @@ ffi::Error QuantMatmulQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   p.bits = static_cast<int>(bits);
   p.m = jaxinfer::RealRows(num_rows.typed_data(), xd[0]);
   p.k = xd[1];
-  p.n = vd[1];
+  p.n = y->dimensions()[1];
+  p.ld = vd[1];
   p.group_size = group_size;
   p.num_groups = (p.k + group_size - 1) / group_size;
   if (p.n % kCols != 0 || group_size % 4 != 0 || (bits == 4 && group_size > 128) ||
@@ -547,6 +549,9 @@ ffi::Error QuantMatmulQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
     return ffi::Error::InvalidArgument(
         "int8 activations need N a multiple of 64, K and the group size multiples of 4 (int4: "
         "groups of at most 128)");
+  }
+  if (p.n > p.ld || scales.dimensions().back() != p.ld) {
+    return ffi::Error::InvalidArgument("values and scales must have as many columns, at least N");
   }
   // where AMX may run, rows padded with zeros to whole tiles, which then always take kRowPad rows
   const int64_t xq_rows = p.m >= kAmxMinRows ? (p.m + kRowPad - 1) / kRowPad * kRowPad : p.m;

@@ -60,6 +60,15 @@ def cpu_keeps_dense_copy() -> bool:
     return cpu_quant.dense_faster_above_rows() is not None
 
 
+def cpu_code_stride(qweight: QuantizedWeight) -> int:
+    """The row stride (columns) at which the "cpu" backend's kernels read a weight fastest
+    (`QuantizedWeight.padded`): N, or N + 64 where N / 64 is even (cpu_quant.padded_stride);
+    N for an int4 layout the kernels do not take (its product runs on the XLA path)."""
+    k, n = qweight.shape
+    takes = qweight.bits == 8 or (k % 2 == 0 and (k // 2) % qweight.group_size == 0)
+    return cpu_quant.padded_stride(n) if takes else n
+
+
 def cpu_int8_activations_fast() -> bool:
     """Whether this CPU multiplies int8 activations faster than float ones (cpu_quant)."""
     return cpu_quant.int8_activations_fast()
@@ -240,7 +249,7 @@ def _quantized_matmul_local(x: jax.Array, qweight: QuantizedWeight, dense: jax.A
         try:
             y = cpu_quant.quant_matmul(rows, q.values, q.scales, q.mins, bits=q.bits,
                                        group_size=q.group_size, int8_activations=True,
-                                       num_rows=num_rows)
+                                       num_rows=num_rows, columns=n)
             return y.reshape(*x.shape[:-1], n)
         except NotImplementedError as e:  # this layout: x stays float (the kernel below)
             warnings.warn(f"int8 activations unavailable for this weight ({e}); x stays float32 "
@@ -254,14 +263,15 @@ def _quantized_matmul_local(x: jax.Array, qweight: QuantizedWeight, dense: jax.A
         try:
             if dense_above is None or rows.shape[0] <= CPU_QUANT_KERNEL_MAX_ROWS:
                 y = cpu_quant.quant_matmul(rows, q.values, q.scales, q.mins, bits=q.bits,
-                                           group_size=q.group_size, num_rows=num_rows)
+                                           group_size=q.group_size, num_rows=num_rows, columns=n)
             else:
                 w = cpu_quant.dequantize(q.values, q.scales, q.mins, bits=q.bits,
-                                         group_size=q.group_size, k=k)  # f32[K, N]
+                                         group_size=q.group_size, k=k, columns=n)  # f32[K, N]
                 y = jnp.dot(rows, w.astype(rows.dtype))
             return y.reshape(*x.shape[:-1], n)
         except NotImplementedError as e:
             _fall_back("quant_matmul (cpu)", e)
+    qweight = qweight.unpadded()  # the paths below take rows of exactly N columns
     if backend == "pallas" and qweight.values.ndim == 2 and rows is not None:
         try:
             y = quant_matmul_pallas(rows, qweight.values, qweight.scales, qweight.mins,

@@ -14,6 +14,9 @@ Array leaves may carry leading stacked dims, e.g. `[L, ...]` for layers under `l
   (GGUF Q4_0), asymmetric: w = q * scale + min (GGUF Q4_1).
 - `scales` (and `mins`) f16/f32[..., G, N], G = ceil(K / group_size); the last group may be
   partial (SmolLM2's K=576 is 4.5 groups of 128).
+- The three arrays' rows may be longer than N (`padded`): columns past N are padding, there so
+  that a kernel walking a block of columns down the rows does not find them all in the same
+  cache sets (the CPU backend's stride, `ops.cpu_code_stride`). `shape` always says N.
 
 This module imports no model code: quantizers (`quantize.py`, `search.py`), the GGUF import
 (`gguf.py`) and the XLA matmul (`xla.py`) build on it, and so do the model's quantized layers.
@@ -52,6 +55,29 @@ class QuantizedWeight:
         return self.mins is None
 
     @property
+    def stride(self) -> int:
+        """The arrays' row length in columns: N, or more where the rows are padded."""
+        return int(self.values.shape[-1])
+
+    def padded(self, stride: int) -> "QuantizedWeight":
+        """The same weight with its rows `stride` columns long (zeros past N; `stride` >= N)."""
+        n = self.shape[1]
+        if stride < n:
+            raise ValueError(f"{stride=} must be at least N={n}")
+        return QuantizedWeight(*(None if a is None else _pad_columns(a[..., :n], stride)
+                                 for a in (self.values, self.scales, self.mins)),
+                               self.bits, self.group_size, self.shape)
+
+    def unpadded(self) -> "QuantizedWeight":
+        """The same weight with rows of exactly N columns (itself where they are)."""
+        n = self.shape[1]
+        if self.stride == n:
+            return self
+        return QuantizedWeight(*(None if a is None else a[..., :n]
+                                 for a in (self.values, self.scales, self.mins)),
+                               self.bits, self.group_size, self.shape)
+
+    @property
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in (self.values, self.scales, self.mins) if a is not None)
 
@@ -73,6 +99,12 @@ def check_weight(w) -> tuple[int, int]:
     if w.ndim < 2:
         raise ValueError(f"{w.shape=} must have at least 2 dims [..., K, N]")
     return int(w.shape[-2]), int(w.shape[-1])
+
+
+def _pad_columns(a: jax.Array, stride: int) -> jax.Array:
+    """[..., R, N] -> [..., R, stride], zeros in the new columns."""
+    widths = [(0, 0)] * (a.ndim - 1) + [(0, stride - a.shape[-1])]
+    return jnp.pad(a, widths) if stride > a.shape[-1] else a
 
 
 def grouped(w: jax.Array, group_size: int) -> jax.Array:

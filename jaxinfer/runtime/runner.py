@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from jaxinfer import ops
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.models.layers import pad_code_strides
 from cpu_kernels.ragged_paged_attention import MAX_PAGE_SIZE as MAX_CPU_PAGE_SIZE
 from jaxinfer.ops.kv_cache import allocate_kv_cache
 from jaxinfer.runtime.draft_model import DraftModel
@@ -58,6 +59,8 @@ class ModelRunner:
             shard_model(model, model_config, mesh)
         if ops.unrolled_layers_faster():
             model.unroll_layers()
+        if mesh is None:  # rows of codes that do not share cache sets (the CPU kernels)
+            pad_code_strides(model)
         graphdef, state = nnx.split(model)
         if mesh is None:  # CPU arrays only (rehome checks): fewer address translations
             state = huge_pages.rehome(state)

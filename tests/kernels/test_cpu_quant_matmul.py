@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cpu_kernels.quant_matmul import (available, dequantize, quant_matmul,
+from cpu_kernels.quant_matmul import (available, dequantize, padded_stride, quant_matmul,
                                       quant_matmul_q8_reference, quantize_activations_reference)
 from jaxinfer import quant
 from pallas_kernels.quant_matmul import quant_matmul_reference
@@ -230,3 +230,58 @@ def test_only_the_real_rows_are_multiplied(kind, int8_activations):
     if int8_activations:  # a row's result does not depend on the row count
         np.testing.assert_array_equal(
             np.asarray(call(jnp.asarray(x), jnp.int32(5)))[:5], whole[:5])
+
+
+def test_padded_stride_gives_rows_an_odd_number_of_cache_lines():
+    assert [padded_stride(n) for n in (960, 576, 3072, 4096, 49152, 14336, 96, 100)] == \
+        [960, 576, 3136, 4160, 49216, 14400, 96, 100]
+
+
+def _with_garbage_padding(qw, stride):
+    """qw's arrays with rows `stride` long, the columns past N filled with what a kernel must
+    never read: codes of every value and NaN scales and minimums."""
+    n = qw.shape[1]
+    rng = np.random.default_rng(11)
+
+    def pad(a, fill):
+        extra = fill(a.shape[:-1] + (stride - n,)).astype(a.dtype)
+        return jnp.asarray(np.concatenate([np.asarray(a), extra], axis=-1))
+
+    codes = lambda shape: rng.integers(-128 if qw.bits == 8 else 0, 128 if qw.bits == 8 else 256,
+                                       shape)
+    nan = lambda shape: np.full(shape, np.nan)
+    return (pad(qw.values, codes), pad(qw.scales, nan),
+            None if qw.mins is None else pad(qw.mins, nan))
+
+
+# N = 128 (two 64-column blocks, an even number: padded to 192) and 320 (+64 by hand); 1 row: the
+# one-row split; 2: row pairs; 9 and 70: panels, vpdpbusd tiles (and AMX from 32 rows)
+@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("kind", ["int8 g32", "int4 asym g32", "int4 sym g32", "int8 channel"])
+def test_a_padded_stride_gives_the_same_products_bit_for_bit(kind, int8_activations):
+    """Rows longer than N (a padded stride): the same y and dequantized W, bit for bit, with the
+    padding's codes and NaN parameters never read."""
+    for n, stride in ((128, padded_stride(128)), (320, 384)):
+        qw = _kinds(n=n)[kind]()
+        values, scales, mins = _with_garbage_padding(qw, stride)
+        assert values.shape[1] == scales.shape[1] == stride > n
+        for m in (1, 2, 9, 70):
+            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, qw.shape[0])), jnp.float32)
+            plain = quant_matmul(x, qw.values, qw.scales, qw.mins, bits=qw.bits,
+                                 group_size=qw.group_size, int8_activations=int8_activations)
+            padded = quant_matmul(x, values, scales, mins, bits=qw.bits, group_size=qw.group_size,
+                                  int8_activations=int8_activations, columns=n)
+            assert padded.shape == (m, n)
+            np.testing.assert_array_equal(np.asarray(padded), np.asarray(plain))
+        k = qw.shape[0]
+        np.testing.assert_array_equal(
+            np.asarray(dequantize(values, scales, mins, bits=qw.bits, group_size=qw.group_size,
+                                  k=k, columns=n)),
+            np.asarray(dequantize(qw.values, qw.scales, qw.mins, bits=qw.bits,
+                                  group_size=qw.group_size, k=k)))
+
+
+def test_columns_beyond_the_rows_are_refused():
+    qw = quant.quantize_int8(_weight(64, 128), 32)
+    with pytest.raises(ValueError, match="columns"):
+        quant_matmul(jnp.ones((1, 64)), qw.values, qw.scales, bits=8, group_size=32, columns=192)
