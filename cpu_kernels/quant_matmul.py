@@ -58,13 +58,14 @@ def _validate(x, values, scales, mins, bits, group_size) -> None:
 
 
 def padded_stride(n: int) -> int:
-    """The row stride (in columns) at which a weight of N columns of 1-byte codes is best kept:
-    N where N / 64 is odd, else N + 64. The kernels walk each block of columns down the code
-    rows, one cache line a row; where a row is an even number of lines long, those lines fall
-    in a fraction of the caches' sets (all in one set of L1 where it is a multiple of 4 KiB) and
-    evict each other before they are used. An odd number of lines spreads them over every set:
-    SmolLM2's LM head (N = 49,152) and a 4096-wide int4 matrix run ~10% faster at 1 and 9 rows
-    of x (docs/performance.md). Other N (not a multiple of 64 columns) are left as they are."""
+    """The row stride (in columns) at which a weight of N columns of 1-byte codes is best kept
+    for the int8-activation kernel: N where N / 64 is odd, else N + 64. It walks each block of
+    columns down the code rows, one cache line a row; where a row is an even number of lines
+    long, those lines fall in a fraction of the caches' sets (all in one set of L1 where it is
+    a multiple of 4 KiB) and evict each other before they are used. An odd number of lines
+    spreads them over every set: SmolLM2's LM head (N = 49,152) at 9 rows of x and a 4096-wide
+    int4 matrix run 6-18% faster (docs/performance.md, item 25). Other N (not a multiple of 64
+    columns) are left as they are."""
     return n if n % 64 or (n // 64) % 2 else n + 64
 
 

@@ -1,6 +1,7 @@
-"""Quantized weights kept at a padded row stride on the CPU (`QuantizedWeight.padded`,
-`models.layers.pad_code_strides`, which the runner applies): every path multiplies them as it
-multiplies the unpadded weight, bit for bit, and an engine's output does not change."""
+"""Quantized weights kept at a padded row stride on the CPU (`QuantizedWeight.padded`;
+`models.layers.pad_code_strides`, which the runner applies to the weights multiplied with int8
+activations): every path multiplies them as it multiplies the unpadded weight, bit for bit, and an
+engine's output does not change."""
 
 from __future__ import annotations
 
@@ -56,8 +57,8 @@ def test_every_backend_multiplies_a_padded_weight_as_the_unpadded_one(backend, i
     np.testing.assert_array_equal(np.asarray(mul(padded)), np.asarray(mul(qw)))
 
 
-def test_a_model_pads_only_the_weights_the_cpu_kernels_read_on_one_device(wide_llama_dir):
-    _, model = load_model(wide_llama_dir, EngineConfig(**KW))
+def test_a_model_pads_only_the_weights_the_int8_activation_kernel_reads(wide_llama_dir):
+    _, model = load_model(wide_llama_dir, EngineConfig(**KW, int8_activations=True))
     model.unroll_layers()  # the CPU runner's layout: 2-D weights, one per layer
     modules = [m for _, m in nnx.iter_modules(model)
                if isinstance(m, (QuantizedLinear, QuantizedEmbed))]
@@ -69,7 +70,10 @@ def test_a_model_pads_only_the_weights_the_cpu_kernels_read_on_one_device(wide_l
         assert m.qweight.shape[1] == n and stride == n
         assert m.qweight.stride == ops.cpu_code_stride(m.qweight)
     assert pad_code_strides(model) == 0  # already padded: nothing more
-    _, other = load_model(wide_llama_dir, EngineConfig(**KW))
+    _, float_x = load_model(wide_llama_dir, EngineConfig(**KW))
+    float_x.unroll_layers()
+    assert pad_code_strides(float_x) == 0  # the float kernel reads rows as 4 KiB runs
+    _, other = load_model(wide_llama_dir, EngineConfig(**KW, int8_activations=True))
     other.unroll_layers()
     for _, m in nnx.iter_modules(other):
         if isinstance(m, (QuantizedLinear, QuantizedEmbed)):
@@ -83,7 +87,7 @@ def test_an_engine_gives_the_same_tokens_and_logprobs_with_and_without_the_paddi
     prompts = [[5, 17, 99, 140, 7, 7, 33], list(range(40, 75))]
 
     def run():
-        llm = LLM(wide_llama_dir, **KW)
+        llm = LLM(wide_llama_dir, **KW, int8_activations=True)
         strides = [a.shape[-1] for a in jax.tree.leaves(llm.engine.runner.state)
                    if a.dtype in (jnp.uint8, jnp.int8)]  # the codes' rows
         outs = llm.generate(prompts, params, use_tqdm=False)

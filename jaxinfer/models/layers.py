@@ -247,13 +247,17 @@ def set_quantized_matmul_backend(model: nnx.Module, backend: str, *,
 
 
 def pad_code_strides(model: nnx.Module) -> int:
-    """Give every quantized weight that the "cpu" backend multiplies on one device the row stride
-    its kernels read fastest (`ops.cpu_code_stride`; in place); returns how many were padded.
-    The products are unchanged bit for bit (columns are independent and the padding is never
-    read); the weights take up to 64 columns more each."""
+    """Give every quantized weight that the "cpu" backend multiplies with int8 activations on one
+    device the row stride that kernel reads fastest (`ops.cpu_code_stride`; in place); returns
+    how many were padded. The products are unchanged bit for bit (columns are independent and
+    the padding is never read); the weights take up to 64 columns more each. Weights multiplied
+    with float x keep their rows: the float kernel's one-row path reads each row's columns as
+    runs of 4 KiB, which a padded stride misaligns (a single stream decoded ~5% slower so;
+    docs/performance.md, item 25)."""
     padded = 0
     for _, module in nnx.iter_modules(model):
-        if not isinstance(module, (QuantizedLinear, QuantizedEmbed)) or module.mesh is not None:
+        if not isinstance(module, (QuantizedLinear, QuantizedEmbed)) or module.mesh is not None \
+                or not module.int8_activations:
             continue
         qw = module.qweight
         if ops.resolve_backend(module.backend) != "cpu" or qw.values.ndim != 2:

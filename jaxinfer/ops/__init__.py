@@ -61,9 +61,10 @@ def cpu_keeps_dense_copy() -> bool:
 
 
 def cpu_code_stride(qweight: QuantizedWeight) -> int:
-    """The row stride (columns) at which the "cpu" backend's kernels read a weight fastest
-    (`QuantizedWeight.padded`): N, or N + 64 where N / 64 is even (cpu_quant.padded_stride);
-    N for an int4 layout the kernels do not take (its product runs on the XLA path)."""
+    """The row stride (columns) at which the "cpu" backend's int8-activation kernel reads a
+    weight fastest (`QuantizedWeight.padded`): N, or N + 64 where N / 64 is even
+    (cpu_quant.padded_stride); N for an int4 layout the kernels do not take (its product runs
+    on the XLA path)."""
     k, n = qweight.shape
     takes = qweight.bits == 8 or (k % 2 == 0 and (k // 2) % qweight.group_size == 0)
     return cpu_quant.padded_stride(n) if takes else n

@@ -59,7 +59,7 @@ class ModelRunner:
             shard_model(model, model_config, mesh)
         if ops.unrolled_layers_faster():
             model.unroll_layers()
-        if mesh is None:  # rows of codes that do not share cache sets (the CPU kernels)
+        if mesh is None:  # rows of codes that do not share cache sets (int8 activations)
             pad_code_strides(model)
         graphdef, state = nnx.split(model)
         if mesh is None:  # CPU arrays only (rehome checks): fewer address translations
