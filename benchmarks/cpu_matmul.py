@@ -98,12 +98,12 @@ def padded(w):
     return tuple(jnp.pad(a, ((0, 0), (0, stride - a.shape[1]))) for a in w)
 
 
-def padded_runs(runs: dict, weights, matmul, int8_activations: bool, columns) -> None:
-    """Adds the --padded runs to `runs`: `matmul(x, w, int8_activations, n)` on `weights` (a
-    pytree of padded weights), `columns(w)` their N."""
-    runs["padded"] = (matmul(False, columns), weights)
+def padded_runs(runs: dict, weights, make, int8_activations: bool) -> None:
+    """Adds the --padded runs to `runs`: `make(q8)` (the jitted product, x float or int8) on
+    `weights` (a pytree of padded weights)."""
+    runs["padded"] = (make(False), weights)
     if int8_activations:
-        runs["q8_padded"] = (matmul(True, columns), weights)
+        runs["q8_padded"] = (make(True), weights)
 
 
 def padded_cells(best: dict, runs: dict, x, w, columns: int) -> str:
@@ -115,9 +115,8 @@ def padded_cells(best: dict, runs: dict, x, w, columns: int) -> str:
         if name not in runs:
             continue
         bits, q8 = (4 if len(w) == 3 else 8), name == "q8_padded"
-        mul = lambda w, n: cpu_quant.quant_matmul(  # noqa: E731
-            x, *w, *([None] if len(w) == 2 else []), bits=bits, group_size=32,
-            int8_activations=q8, columns=n)
+        mul = lambda w, n: cpu_quant.quant_matmul(  # noqa: E731  (mins: None for int8)
+            x, *w, bits=bits, group_size=32, int8_activations=q8, columns=n)
         same = bool(jnp.array_equal(mul(w, None), mul(padded(w), columns)))
         cells += f" {best[name] * 1e3:.2f} | {best[name] / best[base]:.2f}x | {same} |"
     return cells
@@ -214,10 +213,10 @@ def main(argv=None) -> int:
     if args.padded:
         unpadded = {cpu_quant.padded_stride(n): n for _, n in SHAPES}
         padded_runs(runs, [[padded(w) for w in layer] for layer in quantized],
-                    lambda q8, columns: layers(lambda x, w: cpu_quant.quant_matmul(
+                    lambda q8: layers(lambda x, w: cpu_quant.quant_matmul(
                         x, *w, bits=4, group_size=32, int8_activations=q8,
-                        columns=columns(w))),
-                    args.int8_activations, lambda w: unpadded[w[0].shape[1]])
+                        columns=unpadded[w[0].shape[1]])),
+                    args.int8_activations)
     flush = cache_flush()
     print(f"SmolLM2-135M's 30 layers of weight matmuls, one jitted call ({jax.devices()[0]}, "
           f"{os.cpu_count()} cores; best of {args.rounds} rounds, interleaved, caches flushed)")
@@ -279,10 +278,10 @@ def lm_head(args) -> int:
             args.q8_against, "quant_matmul_q8", "JaxinferQuantMatmulQ8", "against")))
         runs["q8_against"] = (q8_against, head)
     if args.padded:
-        padded_runs(runs, padded(head), lambda q8, columns: jax.jit(
+        padded_runs(runs, padded(head), lambda q8: jax.jit(
             lambda x, w: cpu_quant.quant_matmul(x, *w, None, bits=8, group_size=32,
-                                                int8_activations=q8, columns=columns)),
-                    args.int8_activations, VOCAB)
+                                                int8_activations=q8, columns=VOCAB)),
+                    args.int8_activations)
     flush = cache_flush()
     print(f"SmolLM2-135M's LM head, int8 codes [576, 49152] ({jax.devices()[0]}, "
           f"{os.cpu_count()} cores; best of {args.rounds} rounds, interleaved, caches flushed)")

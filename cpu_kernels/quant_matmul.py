@@ -69,6 +69,12 @@ def padded_stride(n: int) -> int:
     return n if n % 64 or (n // 64) % 2 else n + 64
 
 
+def takes_layout(k: int, bits: int, group_size: int) -> bool:
+    """Whether the kernels take a weight of K rows at `bits` (int4: K even and K/2 a multiple
+    of the group size, since a packed row holds rows i and K/2 + i); N is checked apart."""
+    return bits == 8 or (k % 2 == 0 and (k // 2) % group_size == 0)
+
+
 def _columns(values: jax.Array, columns: int | None) -> int:
     n = values.shape[1] if columns is None else columns
     if not 0 < n <= values.shape[1]:
@@ -102,7 +108,7 @@ def quant_matmul(
     k, n = x.shape[1], _columns(values, columns)
     if n % COLUMN_MULTIPLE:
         raise NotImplementedError(f"N={n} is not a multiple of {COLUMN_MULTIPLE}")
-    if bits == 4 and (k % 2 or (k // 2) % group_size):
+    if not takes_layout(k, bits, group_size):
         raise NotImplementedError(f"int4 with K={k}, group_size={group_size}: K/2 must be a "
                                   "multiple of the group size")
     if int8_activations:

@@ -66,7 +66,7 @@ def cpu_code_stride(qweight: QuantizedWeight) -> int:
     (cpu_quant.padded_stride); N for an int4 layout the kernels do not take (its product runs
     on the XLA path)."""
     k, n = qweight.shape
-    takes = qweight.bits == 8 or (k % 2 == 0 and (k // 2) % qweight.group_size == 0)
+    takes = cpu_quant.takes_layout(k, qweight.bits, qweight.group_size)
     return cpu_quant.padded_stride(n) if takes else n
 
 
