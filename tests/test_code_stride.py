@@ -1,7 +1,7 @@
 """Quantized weights kept at a padded row stride on the CPU (`QuantizedWeight.padded`;
-`models.layers.pad_code_strides`, which the runner applies to the weights multiplied with int8
-activations): every path multiplies them as it multiplies the unpadded weight, bit for bit, and an
-engine's output does not change."""
+`models.layers.pad_code_strides`, which the runner and a draft model apply to the weights
+multiplied with int8 activations): every path multiplies them as it multiplies the unpadded
+weight, bit for bit, and an engine's output does not change."""
 
 from __future__ import annotations
 
@@ -104,3 +104,28 @@ def test_a_layout_the_cpu_kernels_do_not_take_keeps_its_rows():
     takes = quant.quantize_int4(_weight(k=128, n=128), 32, symmetric=False)  # K/2 = 64: 2 groups
     refused = quant.quantize_int4(_weight(k=128, n=128), 128, symmetric=False)  # K/2 = 64 < 128
     assert ops.cpu_code_stride(takes) == 192 and ops.cpu_code_stride(refused) == 128
+
+
+def test_a_draft_model_is_padded_as_the_target_and_its_tokens_do_not_change(
+        wide_llama_dir, monkeypatch):
+    from jaxinfer.runtime import draft_model as draft_module
+
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    prompts = [[5, 17, 99, 140, 7, 5, 17, 99], list(range(40, 60))]
+
+    def run():
+        llm = LLM(wide_llama_dir, **KW, int8_activations=True, speculative_method="draft",
+                  draft_model=wide_llama_dir, draft_quantization="int4", num_speculative_tokens=2)
+        strides = [a.shape[-1] for a in jax.tree.leaves(llm.engine.runner.draft.state)
+                   if a.dtype in (jnp.uint8, jnp.int8)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        drafted = llm.engine.metrics.num_draft_tokens_total
+        return strides, drafted, [o.outputs[0].token_ids for o in outs]
+
+    padded_strides, padded_drafts, padded = run()
+    for module in (runner_module, draft_module):
+        monkeypatch.setattr(module, "pad_code_strides", lambda model: 0)
+    plain_strides, plain_drafts, plain = run()
+    assert padded_strides != plain_strides  # the draft's codes were padded
+    assert padded_drafts == plain_drafts > 0  # the same drafts were proposed and verified
+    assert padded == plain

@@ -28,6 +28,7 @@ from flax import nnx
 from jaxinfer import ops
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.models.loader import load_model, model_source
+from jaxinfer.models.layers import pad_code_strides
 from jaxinfer.ops.kv_cache import AttentionMetadata, KVCache, allocate_kv_cache
 from jaxinfer.runtime.sampler import (GREEDY_EPS, SamplingMetadata, categorical, gather_rows,
                                       row_keys, warp_logits)
@@ -133,6 +134,7 @@ class DraftModel:
                num_pages: int) -> "DraftModel":
         if ops.unrolled_layers_faster():
             module.unroll_layers()
+        pad_code_strides(module)  # as the target's (a sharded weight is left as it is)
         graphdef, state = nnx.split(module)
         kv_dtype = engine_config.kv_cache_dtype or engine_config.dtype
         kv_cache = allocate_kv_cache(config, num_pages, engine_config.page_size, kv_dtype,
