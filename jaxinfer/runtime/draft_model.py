@@ -134,7 +134,7 @@ class DraftModel:
                num_pages: int) -> "DraftModel":
         if ops.unrolled_layers_faster():
             module.unroll_layers()
-        pad_code_strides(module)  # as the target's (a sharded weight is left as it is)
+        pad_code_strides(module)  # as the runner pads the target's (a draft runs on one device)
         graphdef, state = nnx.split(module)
         kv_dtype = engine_config.kv_cache_dtype or engine_config.dtype
         kv_cache = allocate_kv_cache(config, num_pages, engine_config.page_size, kv_dtype,
