@@ -109,7 +109,9 @@ def _read_input(input_path: str, output_path: str) -> list[BatchLine | BadLine]:
 
 async def _serve_lines(engine: EngineClient, lines: list[BatchLine], out: ResultFile,
                        progress: Progress, options: BatchOptions) -> None:
-    async_engine = AsyncEngine(engine, max_waiting=options.max_in_flight, warmup=False)
+    # no cap on waiting requests: post_lines keeps max_in_flight lines in flight, and a line of
+    # many choices (n x prompts) must run whatever that setting is
+    async_engine = AsyncEngine(engine, max_waiting=sys.maxsize, warmup=False)
     app = create_app(async_engine, served_model_name=MODEL_NAME)
     await async_engine.wait_ready()
     try:

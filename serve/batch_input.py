@@ -12,7 +12,8 @@ same file finds the same keys in the output and skips what is answered:
 - a line that cannot be read (not UTF-8, not JSON, not an object, no custom_id): "line-N";
 - a second line with a key already taken (a duplicate custom_id): "line-N" too (with a suffix
   "~2", "~3"... if another line has that key), so it gets an error line of its own and the first
-  line keeps its key.
+  line keeps its key; a plain line without an id whose "line-N" an earlier line took as its id
+  is run under "line-N~2" (or the next free suffix).
 Blank lines are skipped (they still count for N).
 """
 
@@ -21,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from typing import Any
+
+from serve.body import not_json_number
 
 URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
@@ -68,7 +71,11 @@ def read_lines(path: str) -> list[BatchLine | BadLine]:
         line = parse_line(raw, number)
         if line.custom_id in first_line_of:
             key = _free_key(f"line-{number}", first_line_of)
-            if isinstance(line, BatchLine):
+            if isinstance(line, BatchLine) and line.custom_id == f"line-{number}":
+                # a plain line keyed by its number (no id given) whose key an earlier line took
+                # as its own id: a key of its own, as for a line that cannot be read
+                line = dataclasses.replace(line, custom_id=key)
+            elif isinstance(line, BatchLine):
                 line = BadLine(number, key, "duplicate_custom_id",
                                f"custom_id {line.custom_id!r} is already used on line "
                                f"{first_line_of[line.custom_id]}")
@@ -87,9 +94,14 @@ def parse_line(raw: bytes, number: int) -> BatchLine | BadLine:
     except UnicodeDecodeError as e:
         return BadLine(number, fallback, "invalid_encoding", f"line {number} is not UTF-8: {e}")
     try:
-        obj = json.loads(text)
-    except ValueError as e:
+        obj = json.loads(text, parse_constant=not_json_number)
+        # a lone surrogate ("\\ud800") reads as a str that no UTF-8 request body can carry
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except ValueError as e:  # JSONDecodeError, NaN / Infinity, UnicodeEncodeError
         return BadLine(number, fallback, "invalid_json", f"line {number} is not JSON: {e}")
+    except RecursionError:
+        return BadLine(number, fallback, "invalid_json",
+                       f"line {number} nests its arrays or objects too deeply to be read")
     if not isinstance(obj, dict):
         return BadLine(number, fallback, "invalid_request",
                        f"line {number} is a JSON {type(obj).__name__}, not an object")

@@ -8,9 +8,10 @@ file the job created also fsyncs its folder, so the file's name survives such a 
 file open it holds an exclusive lock on it (flock), so two jobs never append to the same file.
 
 Opening the file reads the answers already there, which a rerun skips. Every line must be a
-result line (serve/batch_rows.py) except the last, which may be torn: without its newline, or not
-valid JSON, as a kill in the middle of a write leaves it. A torn last line is cut away, and its
-request is asked again.
+result line (serve/batch_rows.py) except the last, which may be torn: without its newline, as a
+kill in the middle of a write leaves it (a row and its newline go out in one write). A torn last
+line is cut away, and its request is asked again; it must look like the start of a row, or
+follow result lines, so that a file of something else given as the output is refused, not cut.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ def _recover(path: str, fd: int) -> tuple[dict[str, bool], int]:
             row = _TORN
         if is_result_row(row) and complete:
             answers.setdefault(row["custom_id"], is_failure(row))
-        elif last and (row is _TORN or is_result_row(row)):
-            cut = len(raw) + (1 if complete else 0)
+        elif last and not complete and (raw.startswith(b"{") or answers):
+            cut = len(raw)  # a row cut short (a row is written with its newline in one write)
         else:
             raise ValueError(f"output {path!r}: line {number} is not a batch result line; "
                              "give another output file (or fix that line) to run this job")

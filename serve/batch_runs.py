@@ -144,24 +144,34 @@ class BatchRuns:
                     counts.update(out_row(out, error_row(line.custom_id, line.code,
                                                          line.message)))
             requests = [line for line in pending if isinstance(line, BatchLine)]
+            flusher = asyncio.create_task(counts.flush_on_time())
             try:
-                if requests:
-                    await asyncio.wait_for(
-                        post_lines(self._app, requests, out, counts,
-                                   max_in_flight=self.config.max_in_flight,
-                                   model_name=self._model_name, overrides=self._overrides,
-                                   headers=self._headers),
-                        timeout=max(obj["expires_at"] - time.time(), 0.0))
-            except TimeoutError:
-                obj["expired_at"] = int(time.time())
-                for line in requests:
-                    if line.custom_id not in out.answers:
-                        counts.update(out_row(out, error_row(
-                            line.custom_id, "batch_expired", "This request could not be "
-                            "executed before the completion window expired.")))
+                await self._post(obj, requests, out, counts)
+            finally:
+                flusher.cancel()
             counts.flush()
         obj.update(status="finalizing", finalizing_at=int(time.time()))
         self.store.put_batch(obj)
+
+    async def _post(self, obj: dict, requests: list[BatchLine], out: ResultFile,
+                    counts: _Counts) -> None:
+        """Posts the batch's `requests` until they are answered or the batch expires (then the
+        unanswered ones get an error line each)."""
+        try:
+            if requests:
+                await asyncio.wait_for(
+                    post_lines(self._app, requests, out, counts,
+                               max_in_flight=self.config.max_in_flight,
+                               model_name=self._model_name, overrides=self._overrides,
+                               headers=self._headers),
+                    timeout=max(obj["expires_at"] - time.time(), 0.0))
+        except TimeoutError:
+            obj["expired_at"] = int(time.time())
+            for line in requests:
+                if line.custom_id not in out.answers:
+                    counts.update(out_row(out, error_row(
+                        line.custom_id, "batch_expired", "This request could not be "
+                        "executed before the completion window expired.")))
 
     def _read_input(self, obj: dict) -> list[BatchLine | BadLine]:
         path = self.store.file_path(obj["input_file_id"])
@@ -172,11 +182,7 @@ class BatchRuns:
                                           f"{obj['input_file_id']}: {e.strerror}") from None
         if not lines:
             raise _Failed("empty_file", f"the input file {obj['input_file_id']} has no lines")
-        return [BadLine(line.number, line.custom_id, "invalid_url",
-                        f"line {line.number}'s url {line.url!r} is not the batch's endpoint "
-                        f"{obj['endpoint']!r}")
-                if isinstance(line, BatchLine) and line.url != obj["endpoint"] else line
-                for line in lines]
+        return [_checked(line, obj["endpoint"]) for line in lines]
 
     def _finalize(self, obj: dict) -> None:
         """Splits the result file into the output and error files (ids fixed by the batch's id,
@@ -213,6 +219,22 @@ class BatchRuns:
         return file_id
 
 
+def _checked(line: BatchLine | BadLine, endpoint: str) -> BatchLine | BadLine:
+    """`line`, or the error it gets in a batch of `endpoint`: the Batches API takes OpenAI batch
+    lines only (the plain requests `jaxinfer batch` also reads would get rows of another shape)."""
+    if isinstance(line, BadLine):
+        return line
+    if not line.openai:
+        return BadLine(line.number, line.custom_id, "invalid_request",
+                       f"line {line.number} is not an OpenAI batch line: it needs 'custom_id', "
+                       "'method', 'url' and 'body'")
+    if line.url != endpoint:
+        return BadLine(line.number, line.custom_id, "invalid_url",
+                       f"line {line.number}'s url {line.url!r} is not the batch's endpoint "
+                       f"{endpoint!r}")
+    return line
+
+
 def batch_not_found(batch_id: str) -> APIError:
     return APIError(404, f"No batch found with id '{batch_id}'.", code="not_found")
 
@@ -237,9 +259,11 @@ class _Counts:
         obj["request_counts"].update(completed=sum(k in answers for k in keys) - failed,
                                      failed=failed)
         self._written = 0.0
+        self._dirty = False
 
     def update(self, row: dict) -> None:
         self._obj["request_counts"]["failed" if is_failure(row) else "completed"] += 1
+        self._dirty = True
         if time.monotonic() - self._written >= _COUNTS_EVERY_S:
             self.flush()
 
@@ -249,6 +273,15 @@ class _Counts:
             self._obj.update(status="cancelling", cancelling_at=current["cancelling_at"])
         self._store.put_batch(self._obj)
         self._written = time.monotonic()
+        self._dirty = False
+
+    async def flush_on_time(self) -> None:
+        """Writes counts that `update` left unwritten within _COUNTS_EVERY_S, so the last
+        answers of a burst show before the next answer comes, however long that takes."""
+        while True:
+            await asyncio.sleep(_COUNTS_EVERY_S)
+            if self._dirty:
+                self.flush()
 
 
 def _read_rows(path: str) -> list[dict]:

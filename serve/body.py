@@ -53,12 +53,14 @@ async def read_json(request: Request, max_body_bytes: int) -> Any:
     if not body:
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
-        return json.loads(body, parse_constant=_not_json)
+        return json.loads(body, parse_constant=not_json_number)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError and NaN/Infinity are ValueErrors
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests its arrays or objects too deeply") from None
 
 
-def _not_json(name: str):
+def not_json_number(name: str):
     """Python's json reads NaN, Infinity and -Infinity; JSON has no such numbers."""
     raise ValueError(f"{name} is not a JSON number")
 

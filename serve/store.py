@@ -60,7 +60,9 @@ class Store:
         os.replace(temp_path, self.file_path(obj["id"]))
         sync_dir(self.files_dir)
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?)",
+            self._db.execute("INSERT INTO files VALUES (?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+                             "created_at = excluded.created_at, bytes = excluded.bytes, "
+                             "obj = excluded.obj",
                              (obj["id"], obj["created_at"], obj["bytes"], json.dumps(obj)))
 
     def get_file(self, file_id: str) -> dict | None:
@@ -85,7 +87,12 @@ class Store:
 
     def put_batch(self, obj: dict) -> None:
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO batches VALUES (?, ?, ?, ?)",
+            # an update in place (not INSERT OR REPLACE, which deletes and re-inserts): a batch
+            # keeps its rowid, the lists' order among batches created in the same second, so
+            # paging with `after` while batches progress neither skips nor repeats one
+            self._db.execute("INSERT INTO batches VALUES (?, ?, ?, ?) ON CONFLICT(id) DO UPDATE "
+                             "SET created_at = excluded.created_at, status = excluded.status, "
+                             "obj = excluded.obj",
                              (obj["id"], obj["created_at"], obj["status"], json.dumps(obj)))
 
     def get_batch(self, batch_id: str) -> dict | None:

@@ -46,7 +46,7 @@ def test_keys_of_every_kind_of_line(tmp_path):
         openai_line(None),                                  # 9 no custom_id
         "[1, 2]",                                           # 10
         {"id": "line-12", "prompt": "takes line 12's key"},  # 11
-        {"prompt": "its own key is taken"},                 # 12 -> duplicate, key line-12~2
+        {"prompt": "its own key is taken"},                 # 12 -> runs as line-12~2
         {"custom_id": "m", "method": "GET", "url": "/v1/completions", "body": {}},  # 13
         {"id": "q", "max_tokens": 3},                       # 14 neither prompt nor messages
     )
@@ -66,13 +66,45 @@ def test_keys_of_every_kind_of_line(tmp_path):
     expected_bad = {5: ("line-5", "invalid_json"), 6: ("line-6", "invalid_encoding"),
                     7: ("line-7", "duplicate_custom_id"), 8: ("u", "invalid_url"),
                     9: ("line-9", "missing_custom_id"), 10: ("line-10", "invalid_request"),
-                    12: ("line-12~2", "duplicate_custom_id"), 13: ("m", "invalid_method"),
+                    13: ("m", "invalid_method"),
                     14: ("q", "invalid_request")}
     for number, (key, code) in expected_bad.items():
         line = by_number[number]
         assert isinstance(line, BadLine) and (line.custom_id, line.code) == (key, code), line
     assert "line 1" in by_number[7].message and "'a'" in by_number[7].message
     assert by_number[11].custom_id == "line-12" and isinstance(by_number[11], BatchLine)
+    # no id given, its number taken by line 11's own id: it runs, under a key of its own
+    assert isinstance(by_number[12], BatchLine) and by_number[12].custom_id == "line-12~2"
+    assert by_number[12].body == {"prompt": "its own key is taken"}
+
+
+def test_lines_json_reads_but_cannot_post_are_bad_lines(tmp_path):
+    """NaN / Infinity (Python's json reads them; JSON has none), a lone surrogate (no UTF-8
+    body can carry it) and nesting too deep to parse are each that line's error, as any line that
+    is not JSON, and the lines around them are read as usual."""
+    path = write_lines(
+        tmp_path / "in.jsonl",
+        openai_line("ok"),
+        '{"custom_id": "n", "method": "POST", "url": "/v1/completions", '
+        '"body": {"prompt": "x", "temperature": NaN}}',
+        '{"custom_id": "i", "method": "POST", "url": "/v1/completions", '
+        '"body": {"prompt": "x", "top_p": -Infinity}}',
+        '{"custom_id": "s", "method": "POST", "url": "/v1/completions", '
+        '"body": {"prompt": "x\\ud800"}}',
+        "[" * 100_000,
+        '{"custom_id": "e", "method": "POST", "url": "/v1/completions", '
+        '"body": {"prompt": "an emoji \\ud83d\\ude00 is a valid pair"}}',
+    )
+    lines = read_lines(path)
+    assert [type(line) for line in lines] == [BatchLine, BadLine, BadLine, BadLine, BadLine,
+                                              BatchLine]
+    assert [line.custom_id for line in lines] == ["ok", "line-2", "line-3", "line-4", "line-5", "e"]
+    assert {line.code for line in lines[1:5]} == {"invalid_json"}
+    assert "NaN is not a JSON number" in lines[1].message
+    assert "-Infinity is not a JSON number" in lines[2].message
+    assert "surrogates not allowed" in lines[3].message
+    assert "nests its arrays or objects too deeply" in lines[4].message
+    assert lines[5].body["prompt"] == "an emoji \U0001f600 is a valid pair"
 
 
 def test_keys_are_the_same_on_every_read(tmp_path):
@@ -125,12 +157,14 @@ def test_new_output_file(tmp_path):
 @pytest.mark.parametrize("tail", [b'{"custom_id": "c", "te', b'{"custom_id": "c"}\n', b"garbage\n",
                                   json.dumps(ROW_A | {"custom_id": "c"}).encode(), b"  "])
 def test_torn_last_line_is_cut(tmp_path, tail):
-    """A last line without its newline or not JSON (what a kill mid-write leaves) is cut away;
-    a complete-looking last line without its newline too (its request is redone)."""
+    """A last line without its newline (what a kill mid-write leaves: a row goes out with its
+    newline in one write) is cut away, a complete-looking row without its newline too (its
+    request is redone); a last line with its newline that is not a result row is not torn, and
+    the file is refused untouched."""
     path = tmp_path / "out.jsonl"
     good = (json.dumps(ROW_A) + "\n" + json.dumps(ROW_B) + "\n").encode()
     path.write_bytes(good + tail)
-    if tail == b'{"custom_id": "c"}\n':  # valid JSON that is not a result line: never cut
+    if tail.endswith(b"\n"):
         with pytest.raises(ValueError, match="line 3 is not a batch result line"):
             ResultFile(str(path))
         assert path.read_bytes() == good + tail
@@ -153,6 +187,26 @@ def test_only_the_last_line_may_be_torn(tmp_path):
     requests.write_text(json.dumps(openai_line("a")) + "\n")
     with pytest.raises(ValueError, match="line 1 is not a batch result line"):
         ResultFile(str(requests))
+
+
+@pytest.mark.parametrize("content", [b"my notes\n", b"my notes", b"{\n", b"\n\nnotes"])
+def test_a_file_of_something_else_is_refused_not_cut(tmp_path, content):
+    """A one-line file that is no result file, given as the output, is refused and left as it
+    was: only a tail that starts a row (or follows result rows) counts as torn."""
+    path = tmp_path / "notes.txt"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="is not a batch result line"):
+        ResultFile(str(path))
+    assert path.read_bytes() == content
+
+
+def test_a_torn_first_row_is_cut(tmp_path):
+    """A job killed while writing its first row: that tail alone in the file is cut."""
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(json.dumps(ROW_A).encode()[:17])
+    with ResultFile(str(path)) as out:
+        assert out.answers == {} and out.torn_bytes == 17
+    assert path.read_bytes() == b""
 
 
 def test_output_usage_errors(tmp_path):

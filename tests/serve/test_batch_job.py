@@ -249,6 +249,21 @@ def test_batch_flags():
         BatchOptions(max_in_flight=0)
 
 
+def test_a_line_of_more_choices_than_lines_in_flight_runs(tmp_path):
+    """--max-in-flight bounds the lines posted at once, not which lines may run: a line asking
+    for more choices (n x prompts) than that gets them."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        openai("many", prompt=["a", "b"], n=3, max_tokens=2, **GREEDY),
+        openai("one", prompt="c", max_tokens=2, **GREEDY)])
+    out = tmp_path / "out.jsonl"
+    options = BatchOptions(progress=False, max_in_flight=2)
+    assert run_batch_with(FakeEngine(), inp, str(out), options) == 0
+    rows = read_rows(out)
+    assert rows["many"]["response"]["status_code"] == 200
+    assert len(rows["many"]["response"]["body"]["choices"]) == 6
+    assert rows["one"]["response"]["status_code"] == 200
+
+
 def test_batch_job_mixed_lines_on_the_tiny_model(tiny_llm, tmp_path):
     """OpenAI batch lines get OpenAI batch output lines (the server's own response bodies: n,
     logprobs, echo, 4xx answers); plain lines get {custom_id, text, finish_reason, usage}; bad

@@ -89,6 +89,8 @@ def test_batch_runs_to_completion_with_error_file(tmp_path):
             assert row["response"]["body"]["object"] == "chat.completion"
         errors = {r["custom_id"]: r["error"]["code"] for r in rows(client, b["error_file_id"])}
         assert errors == {"line-4": "invalid_json", "other": "invalid_url"}
+        for row in rows(client, b["error_file_id"]):  # OpenAI's shape, as every row
+            assert set(row) == {"id", "custom_id", "response", "error"}
         out = client.get(f"/v1/files/{b['output_file_id']}").json()
         assert out["purpose"] == "batch_output"
         assert client.get("/v1/batches").json()["data"][0]["id"] == b["id"]
@@ -204,3 +206,71 @@ def test_batch_lines_run_in_the_background_with_the_batch_priority_under_priorit
         runs = make_batch_runs(cfg, AsyncEngine(engine), model_name="m", api_key=None)
         assert runs._overrides == want
         runs.store.close()
+
+
+def test_a_plain_line_is_an_error_line_in_a_batch(tmp_path):
+    """The Batches API takes OpenAI batch lines only: a plain request (which `jaxinfer batch`
+    also reads) gets an error row of OpenAI's shape; the other lines run."""
+    with app_client(files=FilesConfig(data_dir=str(tmp_path))) as client:
+        plain = {"custom_id": "p", "messages": [{"role": "user", "content": "hi"}]}
+        data = batch_lines(1) + (json.dumps(plain) + "\n").encode()
+        f = upload(client, data).json()
+        b = client.post("/v1/batches", json={"input_file_id": f["id"],
+                                             "endpoint": "/v1/chat/completions",
+                                             "completion_window": "24h"}).json()
+        b = wait_final(client, b["id"])
+        assert b["status"] == "completed" and b["request_counts"] == {
+            "total": 2, "completed": 1, "failed": 1}
+        [row] = rows(client, b["error_file_id"])
+        assert set(row) == {"id", "custom_id", "response", "error"} and row["custom_id"] == "p"
+        assert row["error"]["code"] == "invalid_request"
+        assert "not an OpenAI batch line" in row["error"]["message"]
+        assert [r["custom_id"] for r in rows(client, b["output_file_id"])] == ["r0"]
+
+
+def test_request_counts_follow_the_answers_while_the_rest_still_run(tmp_path):
+    """Answers that came in a burst show in request_counts within about a second, though no
+    other answer follows them for much longer (the counts are written on a timer too)."""
+    engine = FakeEngine(step_delay_s=0.01, max_model_len=2048)
+    data = b"".join(
+        (json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                     "body": {"prompt": f"p{i}", "temperature": 0, "ignore_eos": True,
+                              "max_tokens": 3 if i < 4 else 1500}}) + "\n").encode()
+        for i in range(6))
+    with app_client(engine, files=FilesConfig(data_dir=str(tmp_path))) as client:
+        f = upload(client, data).json()
+        b = client.post("/v1/batches", json={"input_file_id": f["id"],
+                                             "endpoint": "/v1/completions",
+                                             "completion_window": "24h"}).json()
+        deadline = time.monotonic() + 5.0  # r4, r5 take ~15 s: far longer
+        while True:
+            obj = client.get(f"/v1/batches/{b['id']}").json()
+            if obj["request_counts"]["completed"] == 4:
+                break
+            assert time.monotonic() < deadline, obj
+            time.sleep(0.05)
+        assert obj["status"] == "in_progress"
+        client.post(f"/v1/batches/{b['id']}/cancel")
+        assert wait_final(client, b["id"])["status"] == "cancelled"
+
+
+def test_paging_batches_while_they_progress_skips_none(tmp_path):
+    """A batch updated while a client pages through the list keeps its place (batches created in
+    the same second are listed by creation, not by their last update)."""
+    from serve.batch_objects import batch_object, page
+    from serve.store import Store
+
+    store = Store(str(tmp_path))
+    first = batch_object("batch_A", input_file_id="f", endpoint="/v1/completions",
+                         completion_window="24h", metadata=None)
+    second = dict(first, id="batch_B")
+    store.put_batch(first)
+    store.put_batch(second)
+    page1 = page(store.list_batches(), after=None, limit=1)
+    assert [x["id"] for x in page1["data"]] == ["batch_B"] and page1["has_more"]
+    first["request_counts"]["completed"] = 1
+    store.put_batch(first)  # batch_A's counts move on between the two pages
+    page2 = page(store.list_batches(), after=page1["last_id"], limit=1)
+    assert [x["id"] for x in page2["data"]] == ["batch_A"]
+    assert page2["data"][0]["request_counts"]["completed"] == 1
+    store.close()

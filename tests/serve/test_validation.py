@@ -196,6 +196,14 @@ def test_nan_and_infinity_are_not_json(client):
         assert_400(r, None, None)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_a_body_nested_too_deeply_is_a_400(client, path):
+    r = client.post(path, content=b"[" * 100_000, headers={"content-type": "application/json"})
+    assert_400(r, None, None)
+    assert "nests its arrays or objects too deeply" in r.json()["error"]["message"]
+    assert client.get("/health").status_code == 200
+
+
 # -- the other JSON routes ----------------------------------------------------------------------------
 @pytest.mark.parametrize("path,body,param,code", [
     ("/tokenize", {"prompt": 5}, "prompt", "invalid_type"),
