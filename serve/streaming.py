@@ -106,4 +106,7 @@ async def _events(server: ServerState, request: Request, endpoint: str,
 
 
 def _data(chunk: dict) -> str:
-    return json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
+    # U+0085, U+2028 and U+2029 stay raw in json.dumps's output; readers that split lines as
+    # str.splitlines does (httpx's iter_lines) would cut a data line there, so they go escaped
+    text = json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
+    return text.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")

@@ -76,3 +76,33 @@ def test_chat_in_process_tiny_model(tiny_llama_dir):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_remote_reads_data_lines_whole_whatever_line_breaks_their_text_holds():
+    """A reply holding U+2028, U+2029 or U+0085: the server escapes them in its data lines, and
+    the chat client splits a stream at newlines only (httpx's iter_lines also splits at those),
+    so a server that leaves them raw is read whole too."""
+    import json as json_module
+
+    import httpx
+
+    from jaxinfer.chat.backends import Remote, Sampling
+    from serve.streaming import _data
+
+    text = "one\u2028two\u2029three\x85four"
+    escaped = _data({"choices": [{"index": 0, "delta": {"content": text}}]})
+    assert escaped.splitlines() == [escaped]  # one line, for any line splitter
+    assert json_module.loads(escaped)["choices"][0]["delta"]["content"] == text
+    raw = json_module.dumps({"choices": [{"index": 0, "delta": {"content": text}}]},
+                            ensure_ascii=False)
+    for line in (escaped, raw):
+        body = f"data: {line}\r\n\r\ndata: [DONE]\r\n\r\n".encode()
+
+        def handler(request, body=body):
+            return httpx.Response(200, content=body,
+                                  headers={"content-type": "text/event-stream"})
+
+        remote = Remote("http://test", model="m")
+        remote._http = httpx.Client(base_url="http://test", transport=httpx.MockTransport(handler))
+        assert "".join(remote.stream([{"role": "user", "content": "hi"}], Sampling())) == text
+        remote.close()

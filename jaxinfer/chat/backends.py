@@ -80,7 +80,7 @@ class Remote:
             if r.status_code != 200:
                 r.read()
                 raise RuntimeError(f"the server answered {r.status_code}: {_message(r)}")
-            for line in r.iter_lines():
+            for line in _sse_lines(r):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -95,6 +95,18 @@ class Remote:
 
     def close(self) -> None:
         self._http.close()
+
+
+def _sse_lines(r: httpx.Response) -> Iterator[str]:
+    """The lines of a server-sent event stream, split at \\n (and \\r\\n) only: httpx's
+    iter_lines also splits at U+2028 and the like, which a server may leave raw in its JSON."""
+    rest = ""
+    for text in r.iter_text():
+        *lines, rest = (rest + text).split("\n")
+        for line in lines:
+            yield line.removesuffix("\r")
+    if rest:
+        yield rest.removesuffix("\r")
 
 
 def _message(r: httpx.Response) -> str:
