@@ -23,6 +23,7 @@ from jaxinfer.sampling_params import StructuredOutputs
 from serve.errors import APIError
 
 TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -154,12 +155,19 @@ class ToolStream:
     """Turns one choice's streamed text into chat deltas: content, or OpenAI tool-call deltas
     (`{"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]}` opening a call,
     then `{"tool_calls": [{"index", "function": {"arguments": chunk}}]}`). A named call streams its
-    arguments as they come; "required" and an "auto" output that opens with `<tool_call>` are
-    held back until the choice finishes, then parsed."""
+    arguments as they come; "required" is held back until the choice finishes, then parsed. In
+    "auto" the text streams as content, except from a `<tool_call>` (or a tail that may begin
+    one) to its `</tool_call>`: a closed block that holds a call goes out as that call, any other
+    as content, so the deltas add up to what the non-streamed answer says (`parse_hermes`), calls
+    anywhere in the text included. Whitespace at the end of the content so far is held until text
+    follows it, and dropped at the end where a call came (the non-streamed content is stripped
+    around calls; whitespace before the first text is sent with it)."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
-        self.held = ""
+        self.held = ""  # text not yet sent: a tag's beginning, a block, or (required) everything
+        self.space = ""  # "auto": whitespace held until text follows it
+        self.in_block = False  # "auto": `held` starts with <tool_call>, not yet closed
         self.passthrough = plan.mode == "none"
         self.opened = False
         self.num_calls = 0
@@ -177,21 +185,75 @@ class ToolStream:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
             return out
         self.held += text
-        if self.plan.mode == "auto" and not finished:
-            head = self.held.lstrip()
-            if head and not (head.startswith(TOOL_CALL_OPEN) or TOOL_CALL_OPEN.startswith(head)):
-                self.passthrough, held, self.held = True, self.held, ""
-                return [{"content": held}]
-            return []
+        if self.plan.mode == "auto":
+            return self._feed_auto(finished)
         if not finished:
             return []
         content, calls = self.plan.calls(self.held)
         self.held = ""
         out = [{"content": content}] if content else []
-        for i, call in enumerate(calls):
-            args = call["function"]["arguments"]
+        return out + self._call_deltas(calls)
+
+    def _feed_auto(self, finished: bool) -> list[dict]:
+        content, calls = [], []
+        while True:
+            if self.in_block:
+                end = self.held.find(TOOL_CALL_CLOSE)
+                if end < 0:
+                    break
+                end += len(TOOL_CALL_CLOSE)
+                block, self.held, self.in_block = self.held[:end], self.held[end:], False
+                _, found = parse_hermes(block)
+                if found:
+                    calls += found
+                    content.append(None)  # the content on either side is not merged
+                else:
+                    content.append(block)  # not a call: it stays in the content
+                continue
+            start = self.held.find(TOOL_CALL_OPEN)
+            if start >= 0:
+                content.append(self.held[:start])
+                self.held, self.in_block = self.held[start:], True
+                continue
+            keep = 0 if finished else _open_tag_prefix(self.held)
+            content.append(self.held[:len(self.held) - keep])
+            self.held = self.held[len(self.held) - keep:]
+            break
+        if finished:  # an unclosed block is text, as in the non-streamed answer
+            content.append(self.held)
+            self.held, self.in_block = "", False
+        out = []
+        for piece in content:
+            if piece is None:
+                continue
+            piece = self.space + piece
+            text = piece.rstrip()
+            self.space = piece[len(text):]
+            if text:
+                out.append({"content": text})
+        out += self._call_deltas(calls)
+        if finished:
+            if self.space and not self.num_calls:
+                out.append({"content": self.space})
+            self.space = ""
+        return out
+
+    def _call_deltas(self, calls: list[dict]) -> list[dict]:
+        """Two deltas a call: its id, type and name, then its arguments."""
+        out = []
+        for call in calls:
+            i = self.num_calls
+            self.num_calls += 1
             out.append({"tool_calls": [{"index": i, **call, "function": {
                 "name": call["function"]["name"], "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": i, "function": {"arguments": args}}]})
-        self.num_calls = len(calls)
+            out.append({"tool_calls": [{"index": i, "function": {
+                "arguments": call["function"]["arguments"]}}]})
         return out
+
+
+def _open_tag_prefix(text: str) -> int:
+    """The length of the longest tail of `text` that begins TOOL_CALL_OPEN (0 if none)."""
+    for k in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
+        if text.endswith(TOOL_CALL_OPEN[:k]):
+            return k
+    return 0

@@ -182,6 +182,51 @@ def test_auto_stream_holds_back_a_call_and_passes_text():
     assert s.feed(" more", True) == [{"content": " more"}]
 
 
+@pytest.mark.parametrize("text", [
+    'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+    '<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>\n',
+    'A <tool_call>{"name": "noop", "arguments": {}}</tool_call> B <tool_call>'
+    '{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>.',
+    'Text <tool_call>not json</tool_call> and <tool_call>{"name": "noop", "arguments": {}}'
+    '</tool_call>',
+    'No call here, only a <tool_ mention and <tool_call> never closed',
+    'Plain text with trailing space  \n',
+    '<tool_call>{"name": "noop"}</tool_call><tool_call>{"name": 5}</tool_call>',
+])
+def test_auto_stream_adds_up_to_the_non_streamed_answer(text):
+    """However the text arrives (one piece, every character alone, random pieces), the streamed
+    deltas of "auto" carry the content and the calls of the non-streamed answer: a call after
+    some text is a call streamed too, and text that is not a call stays content."""
+    import random
+
+    from serve.tools import ToolStream
+
+    plan = ToolPlan("auto", tuple(TOOLS))
+    want_content, want_calls = parse_hermes(text)
+    rng = random.Random(0)
+    cuts = [[len(text)], list(range(1, len(text) + 1))] + [
+        sorted(rng.sample(range(1, len(text)), 5)) + [len(text)] for _ in range(20)]
+    for ends in cuts:
+        s, deltas, last = ToolStream(plan), [], 0
+        for i, end in enumerate(ends):
+            deltas += s.feed(text[last:end], False)
+            last = end
+        deltas += s.feed("", True)
+        content = "".join(d.get("content", "") for d in deltas)
+        calls: dict[int, dict] = {}
+        for d in deltas:
+            for c in d.get("tool_calls", []):
+                call = calls.setdefault(c["index"], {"name": None, "arguments": ""})
+                if "id" in c:
+                    assert c["type"] == "function" and call["name"] is None
+                    call["name"] = c["function"]["name"]
+                call["arguments"] += c["function"]["arguments"]
+        assert sorted(calls) == list(range(len(calls))) and s.num_calls == len(calls)
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in want_calls]
+        assert (content or None) == want_content, ends
+
+
 def test_tools_described_when_the_template_ignores_them(tiny_llm):
     import asyncio
 
