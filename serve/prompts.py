@@ -13,7 +13,7 @@ from typing import Sequence
 from jaxinfer.tokenizer import Tokenizer
 from serve.errors import APIError
 from serve.schemas import CompletionPrompt, Message
-from serve.tools import tools_system_prompt
+from serve.tools import tool_call_block, tools_system_prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +39,9 @@ async def chat_prompt(tokenizer: Tokenizer, messages: list[Message],
     conversation = [m.template_message() for m in messages]
     extra = {"tools": tools} if tools else {}
     try:
+        if any(m.get("tool_calls") for m in conversation):
+            conversation = await asyncio.to_thread(_with_calls_as_text, tokenizer, conversation,
+                                                   add_generation_prompt)
         if tools and describe_tools:
             conversation = await asyncio.to_thread(_with_tools, tokenizer, conversation, tools,
                                                    add_generation_prompt)
@@ -68,6 +71,27 @@ def _with_tools(tokenizer: Tokenizer, conversation: list[dict], tools: list[dict
         first = conversation[0]
         return [{**first, "content": f"{first.get('content') or ''}\n\n{text}"}] + conversation[1:]
     return [{"role": "system", "content": text}] + conversation
+
+
+def _with_calls_as_text(tokenizer: Tokenizer, conversation: list[dict],
+                        add_generation_prompt: bool) -> list[dict]:
+    """The conversation unchanged when the chat template renders the assistant messages'
+    `tool_calls`; else (SmolLM2's renders such a turn empty) with each call written into its
+    message's content as the Hermes block the model writes a call as (serve/tools.py), so that
+    in a multi-turn tool use the model sees the calls it made before the tools' answers."""
+    bare = [{k: v for k, v in m.items() if k != "tool_calls"} for m in conversation]
+    if (tokenizer.render_chat_template(conversation, add_generation_prompt)
+            != tokenizer.render_chat_template(bare, add_generation_prompt)):
+        return conversation
+    return [_calls_as_text(m) if m.get("tool_calls") else m for m in conversation]
+
+
+def _calls_as_text(message: dict) -> dict:
+    """An assistant message whose tool calls are appended to its content as Hermes blocks."""
+    blocks = [tool_call_block(c["function"]["name"], c["function"]["arguments"])
+              for c in message["tool_calls"]]
+    text = "\n".join(part for part in [message.get("content") or ""] + blocks if part)
+    return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}
 
 
 async def completion_prompts(tokenizer: Tokenizer, prompt: CompletionPrompt,

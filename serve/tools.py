@@ -92,6 +92,16 @@ def tools_system_prompt(tools: list[dict]) -> str:
             '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
+def tool_call_block(name: str, arguments: str) -> str:
+    """A call as the Hermes convention writes it (what `parse_hermes` reads): arguments as a
+    JSON object where `arguments` (JSON text) holds one, else as the string it is."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        args = arguments
+    return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': args})}\n{TOOL_CALL_CLOSE}"
+
+
 def tool_call(name: str, arguments: str) -> dict:
     """One OpenAI tool call (arguments: JSON text)."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",

@@ -227,6 +227,40 @@ def test_auto_stream_adds_up_to_the_non_streamed_answer(text):
         assert (content or None) == want_content, ends
 
 
+def test_past_calls_are_written_as_blocks_where_the_template_ignores_them(tiny_llm):
+    """Multi-turn tool use on a template that ignores `tool_calls` (the tiny model's ChatML, as
+    SmolLM2's): the assistant turn that called a tool shows the call as the Hermes block the model
+    writes, not as an empty turn; a template that renders the calls keeps its own rendering."""
+    import asyncio
+
+    from pydantic import TypeAdapter
+
+    from serve.prompts import _with_calls_as_text, chat_prompt
+    from serve.schemas import Message
+
+    tok = tiny_llm.engine.tokenizer
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    raw = [{"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": None, "tool_calls": [call]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "22C and sunny"}]
+    msgs = [TypeAdapter(Message).validate_python(m) for m in raw]
+    prompt = asyncio.run(chat_prompt(tok, msgs, True, TOOLS, describe_tools=True))
+    text = tok.decode(prompt.token_ids, skip_special_tokens=False)
+    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert turn == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                    "</tool_call>")
+    assert parse_hermes(turn)[1][0]["function"]["arguments"] == '{"city": "Paris"}'
+    assert "22C and sunny" in text.split(turn)[1]
+
+    class RendersCalls:  # a template that writes tool_calls itself
+        def render_chat_template(self, conversation, add_generation_prompt):
+            return repr(conversation)
+
+    conversation = [m.template_message() for m in msgs]
+    assert _with_calls_as_text(RendersCalls(), conversation, True) == conversation
+
+
 def test_tools_described_when_the_template_ignores_them(tiny_llm):
     import asyncio
 
