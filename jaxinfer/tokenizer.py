@@ -8,9 +8,11 @@ that never splits a UTF-8 character, and stop strings that may span token bounda
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,6 +95,22 @@ class Tokenizer:
         """Vocabulary entries (e.g. 'Ġworld'), not text; for debugging and token-level APIs."""
         return self.hf_tokenizer.convert_ids_to_tokens(list(ids))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (OpenAI's logprobs `bytes`): its text's UTF-8, except for
+        a token that holds part of a character, whose text alone decodes to U+FFFD: then a
+        byte-fallback piece's byte ('<0xF0>', SentencePiece) or a byte-level BPE piece's bytes
+        (GPT-2's byte alphabet), so that the tokens' bytes add up to the text's."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.convert_ids_to_tokens([token_id])[0]
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return bytes([int(piece[3:5], 16)])
+        byte_of = _byte_level_decoder()
+        if piece and all(ch in byte_of for ch in piece):
+            return bytes(byte_of[ch] for ch in piece)
+        return text.encode()
+
     # -- chat -------------------------------------------------------------------------------------
     def render_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                              **template_kwargs) -> str:
@@ -113,6 +131,14 @@ class Tokenizer:
             name = getattr(self.hf_tokenizer, "name_or_path", "") or "this tokenizer"
             raise ValueError(f"{name!r} has no chat template: send a plain prompt (completions) "
                              "or use a model with a chat template")
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte (transformers' own table)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {ch: b for b, ch in bytes_to_unicode().items()}
 
 
 def _auto_tokenizer():

@@ -7,9 +7,17 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 TokenText = Callable[[int], str]  # token id -> its text (for logprobs)
+
+
+class TokenBytes(Protocol):
+    """Token id -> its text, and its bytes (serve/state.py: TokenTexts)."""
+
+    def __call__(self, token_id: int) -> str: ...
+
+    def bytes(self, token_id: int) -> list[int]: ...
 
 
 @dataclasses.dataclass
@@ -108,15 +116,16 @@ def merge_completion_logprobs(parts: list[dict]) -> dict:
     return out
 
 
-def chat_logprobs(entries: list, token_text: TokenText, num_top: int) -> dict:
-    """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+def chat_logprobs(entries: list, token_texts: TokenBytes, num_top: int) -> dict:
+    """The chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}; `bytes` are
+    the token's own (a token holding part of a character has its part: they add up to the
+    content's UTF-8), `token` its text."""
     content = []
     for e in entries:
-        t = token_text(e.token_id)
-        top = [{"token": token_text(tid), "logprob": _f(lp), "bytes": list(token_text(tid).encode())}
+        top = [{"token": token_texts(tid), "logprob": _f(lp), "bytes": token_texts.bytes(tid)}
                for tid, lp in list(zip(e.top_token_ids, e.top_logprobs))[:num_top]]
-        content.append({"token": t, "logprob": _f(e.logprob), "bytes": list(t.encode()),
-                        "top_logprobs": top})
+        content.append({"token": token_texts(e.token_id), "logprob": _f(e.logprob),
+                        "bytes": token_texts.bytes(e.token_id), "top_logprobs": top})
     return {"content": content}
 
 

@@ -24,6 +24,16 @@ class TokenTexts:
         self._tokenizer = tokenizer
         self._max_cached = max_cached
         self._texts: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's bytes as a list (logprobs' `bytes`; `Tokenizer.token_bytes`)."""
+        data = self._bytes.get(token_id)
+        if data is None:
+            data = list(self._tokenizer.token_bytes(token_id))
+            if len(self._bytes) < self._max_cached:
+                self._bytes[token_id] = data
+        return data
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)

@@ -268,3 +268,30 @@ def test_gguf_tokenizer_loads_where_torch_is_missing(smollm2_gguf):
     assert out.returncode == 0, out.stderr[-3000:]
     n, ends = out.stdout.split()[-2:]
     assert int(n) > 5 and ends == "True"
+
+
+def test_token_bytes_add_up_to_the_text(tok):
+    """Each token's bytes (logprobs' `bytes`): a token holding part of a character has its part,
+    not the U+FFFD its text alone decodes to, so the tokens' bytes join into the text's UTF-8."""
+    text = "I like 😀 and 日本語, naïve café — ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # the case that matters is here
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert all(tok.token_bytes(i) == tok.decode([i]).encode() for i in ids
+               if "\ufffd" not in tok.decode([i]))
+    eos = tok.eos_token_ids[0]
+    assert tok.token_bytes(eos) == tok.decode([eos], skip_special_tokens=False).encode()
+
+
+def test_byte_fallback_pieces_are_their_byte():
+    class SentencePieceLike(Tokenizer):  # '<0xF0>'-style pieces, as Llama 2's tokenizer has
+        def __init__(self):
+            pass
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "\ufffd"
+
+        def convert_ids_to_tokens(self, ids):
+            return [f"<0x{i:02X}>" for i in ids]
+
+    assert SentencePieceLike().token_bytes(0xF0) == b"\xf0"

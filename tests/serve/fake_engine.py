@@ -44,6 +44,11 @@ class FakeTokenizer:
             {PAD: "<pad>", BOS: "<s>", EOS: "</s>"}[t] for t in token_ids if t < _OFFSET)
         return data.decode("utf-8", errors="replace") + specials
 
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id < _OFFSET:
+            return self.decode([token_id], skip_special_tokens=False).encode()
+        return bytes([token_id - _OFFSET])
+
     def render_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         for m in messages:
             if m["role"] == "tool":

@@ -289,3 +289,23 @@ def test_choices_beyond_max_waiting_are_400():
         err = assert_400(c.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2}), "n",
                          "invalid_value")
         assert "6 completions" in err["message"] and "at most 4" in err["message"]
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own():
+    """A reply whose characters span tokens: each token's `bytes` is its own part of the UTF-8
+    (they join into the content's), where the token's text alone is U+FFFD."""
+    from types import SimpleNamespace
+
+    from serve.responses import chat_logprobs
+    from serve.state import TokenTexts
+    from tests.serve.fake_engine import FakeTokenizer
+
+    tok = FakeTokenizer()  # one token a byte
+    reply = "é😀"
+    ids = tok.encode(reply)
+    entries = [SimpleNamespace(token_id=i, logprob=-0.5, top_token_ids=[i], top_logprobs=[-0.5])
+               for i in ids]
+    content = chat_logprobs(entries, TokenTexts(tok), 1)["content"]
+    assert len(content) == 6 and {c["token"] for c in content} == {"\ufffd"}
+    assert bytes(b for c in content for b in c["bytes"]) == reply.encode()
+    assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
