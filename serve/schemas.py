@@ -116,6 +116,16 @@ Stop = _tagged_union(_str_or_list, "a string or an array of strings", text=str,
                      list=Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)])
 
 
+def _str_or_object(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "text"
+    return "object" if isinstance(value, dict) else None
+
+
+ToolChoice = _tagged_union(_str_or_object, "a string or an object", text=str,
+                           object=dict[str, Any])
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -303,7 +313,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: integer(ge=0, le=MAX_TOP_LOGPROBS) | None = None
     add_generation_prompt: bool | None = True  # extension: False continues the last assistant message
     tools: list[dict[str, Any]] | None = None  # {"type": "function", "function": {...}} (serve/tools.py)
-    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | a named function
+    tool_choice: ToolChoice | None = None  # "none" | "auto" | "required" | a named function
 
 
 class TokenizeRequest(ModelRequest):

@@ -235,7 +235,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise ValueError(f"stop_token_ids={bad[:5]} are outside the vocabulary [0, {vocab})")
         bad = [t for t in (params.logit_bias or {}) if t >= vocab]
         if bad:
             raise ValueError(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})")

@@ -73,6 +73,8 @@ CHAT_BAD_TYPES = SHARED_BAD_TYPES + [
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
      "messages.0.content.0.text"),
     ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages.0.name"),
+    ({"tool_choice": 5}, "tool_choice"),
+    ({"tool_choice": ["auto"]}, "tool_choice"),
 ]
 
 COMPLETION_BAD_TYPES = SHARED_BAD_TYPES + [
