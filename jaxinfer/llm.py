@@ -7,6 +7,7 @@ import itertools
 import time
 from typing import Iterator, Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.engine.replicas import make_engine
@@ -84,7 +85,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas of one request as they are generated."""
-        (request_id,) = self._add([prompt], [sampling_params or SamplingParams()])
+        (request_id,) = self._add([_as_prompt(prompt)], [sampling_params or SamplingParams()])
         sent = 0
         try:
             while True:
@@ -144,12 +145,25 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+    """One prompt (a text, token ids, vLLM's {"prompt": text} or {"prompt_token_ids": ids}) or a
+    sequence of them, as a list of texts and token-id sequences (checked by the engine)."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1):
+        return [_as_prompt(prompts)]
     prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
+    if prompts and isinstance(prompts[0], (int, np.integer)) and not isinstance(prompts[0], bool):
         return [prompts]  # one token-id list
-    return prompts
+    return [_as_prompt(p) for p in prompts]
+
+
+def _as_prompt(prompt) -> Prompt:
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"}:
+        return prompt["prompt_token_ids"]
+    raise ValueError(f"a prompt given as a dict must be {{'prompt': text}} or "
+                     f"{{'prompt_token_ids': ids}}, not one with keys {sorted(prompt)}")
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:

@@ -209,11 +209,11 @@ def _normalize_logit_bias(bias) -> dict[int, float] | None:
         raise ValueError(f"logit_bias={bias!r} must be a dict of token id -> bias")
     out = {}
     for k, v in bias.items():
-        try:  # JSON bodies (OpenAI API) send the token ids as strings
-            token_id = int(k)
-        except (TypeError, ValueError):
-            raise ValueError(f"logit_bias key {k!r} must be a token id") from None
-        if token_id < 0 or isinstance(k, bool):
+        # an int, or (JSON bodies, the OpenAI API) a string of one; never a float's truncation
+        if not (_is_int(k) or (isinstance(k, str) and k.strip().lstrip("+-").isdigit())):
+            raise ValueError(f"logit_bias key {k!r} must be a token id")
+        token_id = int(k)
+        if token_id < 0:
             raise ValueError(f"logit_bias key {k!r} must be a non-negative token id")
         if not _is_number(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias[{token_id}]={v!r} must be in [-100, 100]")

@@ -154,6 +154,80 @@ def test_prompt_too_long_is_value_error_and_engine_keeps_serving(tiny_llm):
     assert len(out[0].outputs[0].token_ids) == 2
 
 
+@pytest.mark.parametrize("prompt,match", [
+    ([5.9, 6.2, 7], "must be integers"), ([5, "6", 7], "must be integers"),
+    ([True, False, 7], "must be integers"), ({"prompt": "hi", "x": 1}, "keys"),
+])
+def test_prompts_that_are_not_token_ids_are_refused(tiny_llm, prompt, match):
+    """Token ids are integers: floats, digit strings and bools are refused, not converted."""
+    with pytest.raises(ValueError, match=match):
+        tiny_llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not tiny_llm.engine.has_unfinished_requests()
+
+
+def test_prompt_forms(tiny_llm):
+    """Token ids as a list, a 1-D numpy array or vLLM's {"prompt_token_ids": ids}; a text as a
+    str or {"prompt": text}: the same prompt, the same tokens."""
+    import numpy as np
+
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ids = tiny_llm.tokenizer.encode("Hello there")
+    want = _tokens(tiny_llm.generate([ids], sp, use_tqdm=False))[0]
+    for prompt in (np.array(ids), {"prompt_token_ids": ids}, [{"prompt_token_ids": ids}],
+                   {"prompt": "Hello there"}, [{"prompt": "Hello there"}]):
+        assert _tokens(tiny_llm.generate(prompt, sp, use_tqdm=False))[0] == want, prompt
+    assert "".join(tiny_llm.stream({"prompt": "Hello there"}, sp)) == (
+        tiny_llm.generate(["Hello there"], sp, use_tqdm=False)[0].outputs[0].text)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(priority=None), "priority=None must be an integer"),
+    (dict(priority=1.5), "priority=1.5 must be an integer"),
+    (dict(background=None), "background=None must be True or False"),
+    (dict(params=SamplingParams(n=3)), "n=3"),
+])
+def test_engine_requests_refused_leave_nothing_behind(tiny_llm, kwargs, match):
+    """A request refused for its priority, background flag or n (the engine runs one completion
+    a request; LLM.generate fans n out) is not left queued: the next one, with the same id,
+    runs, and no page stays in use."""
+    eng = tiny_llm.engine
+    with pytest.raises(ValueError, match=match):
+        eng.add_request("refused", [5, 6, 7], **kwargs)
+    assert not eng.has_unfinished_requests()
+    eng.add_request("refused", [5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.scheduler.pool.num_free_pages == eng.num_pages - 1
+
+
+def test_float32_extremes_keep_their_meaning(tiny_llm):
+    """A top_p below float32's smallest normal keeps the most likely token (greedy); a temperature
+    whose reciprocal float32 cannot hold samples, with min_tokens' EOS ban (-inf logits) and a
+    grammar's mask, instead of turning the logits into NaN (token 0 every step)."""
+    from jaxinfer.sampling_params import StructuredOutputs
+
+    prompt = [[5, 6, 7]]
+    greedy = _tokens(tiny_llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0,
+                                                              ignore_eos=True), use_tqdm=False))
+    for top_p in (1e-39, 1e-46):
+        sp = SamplingParams(max_tokens=6, top_p=top_p, seed=1, ignore_eos=True)
+        assert _tokens(tiny_llm.generate(prompt, sp, use_tqdm=False)) == greedy
+    hot = SamplingParams(max_tokens=6, temperature=1e39, min_tokens=3, seed=1)
+    toks = _tokens(tiny_llm.generate(prompt, hot, use_tqdm=False))[0]
+    assert toks[:3] != [0, 0, 0] and len(set(toks)) > 1
+    sp = SamplingParams(max_tokens=6, temperature=1e39, seed=1,
+                        structured_outputs=StructuredOutputs(regex="[a-z]+"))
+    out = tiny_llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    assert out.text and all("a" <= ch <= "z" for ch in out.text)
+
+
+def test_logit_bias_keys_are_token_ids():
+    assert SamplingParams(logit_bias={"7": 1.0, 8: -1.0}).logit_bias == {7: 1.0, 8: -1.0}
+    for key in (float("inf"), 1.7, "1.5", True, "x"):
+        with pytest.raises(ValueError, match="logit_bias key"):
+            SamplingParams(logit_bias={key: 1.0})
+
+
 def test_bad_model_paths(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "nope"))

@@ -10,6 +10,7 @@ import time
 from typing import Sequence
 
 import jax
+import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.client import StepFailed
@@ -188,10 +189,18 @@ class LLMEngine:
         lower first under the "priority" policy; `background`: the request yields to the others
         (a batch line; sched/scheduler.py)."""
         params = params or SamplingParams()
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+            raise ValueError(f"priority={priority!r} must be an integer")
+        priority = int(priority)
+        if not isinstance(background, bool):
+            raise ValueError(f"background={background!r} must be True or False")
+        if params.n > 1 or (params.best_of or 1) > 1:
+            raise ValueError(f"n={params.n}, best_of={params.best_of}: a request of the engine is "
+                             "one completion; LLM.generate (or the server) runs n of them")
         if isinstance(prompt, str):
             prompt_text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
-            prompt_text, token_ids = None, [int(t) for t in prompt]
+            prompt_text, token_ids = None, prompt_token_ids(prompt)
             bad = [t for t in token_ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
                 raise ValueError(
@@ -412,6 +421,23 @@ class LLMEngine:
 
     def weight_bytes(self) -> int:
         return param_bytes(self.runner.state)
+
+
+def prompt_token_ids(prompt) -> list[int]:
+    """A prompt given as token ids (a sequence or a 1-D array of integers) as a list of ints;
+    ValueError naming `prompt` for anything else (floats, strings, bools are not token ids)."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError(f"prompt: an array of token ids must be 1-D of integers, not "
+                             f"{prompt.ndim}-D of {prompt.dtype}")
+        return prompt.tolist()
+    if isinstance(prompt, dict) or not isinstance(prompt, Sequence):
+        raise ValueError(f"prompt must be a string or a sequence of token ids, not "
+                         f"{type(prompt).__name__}")
+    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers; got {bad[:3]!r}")
+    return [int(t) for t in prompt]
 
 
 def _three_significant_bits(n: int) -> int:

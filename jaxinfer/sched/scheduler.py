@@ -160,8 +160,8 @@ class Scheduler:
             seed = req.sampling_params.seed
             req.seed = seed if seed is not None else self._rng.getrandbits(32)
         req.status = RequestStatus.WAITING
+        self._enqueue(req)  # first: a request that cannot be queued is not left registered
         self._requests[req.request_id] = req
-        self._enqueue(req)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Frees the request's pages at once; None when it is unknown or already finished."""

@@ -296,16 +296,24 @@ def _fill_attention(si: StepInput, sched_out: SchedulerOutput, page_size: int) -
     si.num_rows, si.num_real_tokens = n, t
 
 
+F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32, 2**-126
+MAX_TEMPERATURE = 1.0 / F32_TINY  # 2**126: its reciprocal is still a normal float32
+
+
 def _fill_sampling(si: StepInput, sched_out: SchedulerOutput, rows: _Rows) -> None:
     items = sched_out.scheduled
     n = len(items)
     if n == 0:
         return
     sps = [it.request.sampling_params for it in items]
+    # float64 values brought into float32's range: a temperature whose reciprocal is below
+    # float32's smallest normal (XLA may divide by multiplying with it, and the CPU flushes it
+    # to 0: -inf logits x 0 are NaN), a top_p below it (0 or flushed: no token kept); at these
+    # bounds the sampler keeps their meaning (all tokens alike; the most likely one)
     per_item = {
-        "temperature": [sp.temperature for sp in sps],
+        "temperature": [min(sp.temperature, MAX_TEMPERATURE) for sp in sps],
         "top_k": [min(max(sp.top_k, 0), 2**31 - 1) for sp in sps],
-        "top_p": [sp.top_p for sp in sps],
+        "top_p": [max(sp.top_p, F32_TINY) for sp in sps],
         "min_p": [sp.min_p for sp in sps],
         "seeds": [it.request.seed & 0xFFFFFFFF for it in items],
         "presence_penalty": [sp.presence_penalty for sp in sps],
