@@ -85,3 +85,44 @@ def test_output_processor_reports_stop_strings_and_leaves_requests_alone():
     assert proc.process([stopping]) == []  # a finished request's track is gone
     tokens_only = proc.process([plain], detokenize=False)[0]
     assert tokens_only.outputs[0].text == "" and tokens_only.outputs[0].token_ids == ids("xy")
+
+
+def test_stop_strings_count_only_after_min_tokens():
+    """As vLLM: a stop string in the text of the first min_tokens tokens does not stop the
+    request; one completed after them does."""
+    all_ids = ids("ab STOP cd STOP ef")
+    for chunk in (1, 4, len(all_ids)):
+        tracker = TextTracker(TOK, ids("p"), SamplingParams(stop=["STOP"], min_tokens=8))
+        out = None
+        for end in range(chunk, len(all_ids) + chunk, chunk):
+            out = tracker.apply(output(all_ids[:end], finished=end >= len(all_ids),
+                                       finish_reason="length" if end >= len(all_ids) else None))
+            if out.finished:
+                break
+        c = out.outputs[0]
+        assert (c.finish_reason, c.stop_reason) == ("stop", "STOP")
+        assert c.text == "ab STOP cd " and c.token_ids == ids("ab STOP cd STOP")
+
+
+def test_the_stop_tokens_text_is_left_out_unless_asked_for():
+    """A request that ended on a stop token (stop_token_ids, or EOS) keeps the token in its ids
+    and leaves its text out, as vLLM; include_stop_str_in_output keeps the text."""
+    all_ids = ids("abc!")
+    stop = all_ids[-1]
+    for include, want in ((False, "abc"), (True, "abc!")):
+        for chunk in (1, len(all_ids)):
+            tracker = TextTracker(TOK, ids("p"), SamplingParams(
+                stop_token_ids=[stop], include_stop_str_in_output=include))
+            for end in range(chunk, len(all_ids) + chunk, chunk):
+                done = end >= len(all_ids)
+                c = CompletionOutput(0, "", all_ids[:end], finish_reason="stop" if done else None,
+                                     stop_reason=stop if done else None)
+                out = tracker.apply(RequestOutput("r", None, ids("p"), [c], done))
+            assert out.outputs[0].text == want and out.outputs[0].token_ids == all_ids
+    tracker = TextTracker(TOK, ids("p"), SamplingParams(skip_special_tokens=False))
+    eos = TOK.eos_token_ids[0]
+    c = CompletionOutput(0, "", ids("ab") + [eos], finish_reason="stop", stop_reason=None)
+    assert tracker.apply(RequestOutput("r", None, ids("p"), [c], True)).outputs[0].text == "ab"
+    c = CompletionOutput(0, "", ids("ab") + [eos], finish_reason="length")
+    tracker = TextTracker(TOK, ids("p"), SamplingParams(skip_special_tokens=False))
+    assert tracker.apply(RequestOutput("r", None, ids("p"), [c], True)).outputs[0].text == "ab</s>"

@@ -27,6 +27,8 @@ class TextTracker:
                                             skip_special_tokens=params.skip_special_tokens)
         self.stops = params.stop_list()
         self.include_stop = params.include_stop_str_in_output
+        self.min_tokens = params.min_tokens  # stop strings count only after this many tokens
+        self.done = False  # fed its final tokens
         self.text = ""  # all text decoded so far (before stop truncation)
         self.stopped_text: str | None = None  # the final text once a stop string matched
         self.stop_reason: str | None = None  # the stop string that matched
@@ -36,11 +38,16 @@ class TextTracker:
     def stopped(self) -> bool:
         return self.stopped_text is not None
 
-    def update(self, token_ids: Sequence[int], finished: bool) -> bool:
-        """Feeds the tokens not seen yet; True when a stop string matched in them."""
-        if self.stopped:
+    def update(self, token_ids: Sequence[int], finished: bool, stop_token: bool = False) -> bool:
+        """Feeds the tokens not seen yet; True when a stop string matched in them. `stop_token`:
+        the request ended on a stop token (EOS or one of stop_token_ids), the last of
+        `token_ids`, whose text is left out unless include_stop_str_in_output (as vLLM does).
+        A stop string counts only in text after the first min_tokens tokens (as vLLM's)."""
+        if self.stopped or self.done:
             return False
         new_ids = token_ids[self.detok.num_tokens_seen:]
+        if finished and stop_token and not self.include_stop:
+            new_ids = new_ids[:-1]
         if not self.stops:
             self.text += self.detok.add(new_ids) if new_ids else ""
         else:  # one token at a time: the stop ends the output at the token that completed it
@@ -49,6 +56,7 @@ class TextTracker:
                 if delta and self._check(delta):
                     return True
         if finished:
+            self.done = True
             delta = self.detok.flush()
             if delta and self.stops and self._check(delta):
                 return True
@@ -57,6 +65,8 @@ class TextTracker:
 
     def _check(self, delta: str) -> bool:
         self.text += delta
+        if self.detok.num_tokens_seen <= self.min_tokens:
+            return False
         truncated, matched = check_stop(self.text, self.stops, num_new_chars=len(delta),
                                         include=self.include_stop)
         if matched is None:
@@ -80,7 +90,8 @@ class TextTracker:
         if self.stopped:
             finished = True
         else:
-            self.update(c.token_ids, out.finished)
+            self.update(c.token_ids, out.finished,
+                        stop_token=ended_on_stop_token(c.finish_reason, c.stop_reason))
             finished = out.finished or self.stopped
         token_ids, logprobs = c.token_ids, c.logprobs
         finish_reason, stop_reason = c.finish_reason, c.stop_reason
@@ -93,6 +104,12 @@ class TextTracker:
                                          logprobs=logprobs, finish_reason=finish_reason,
                                          stop_reason=stop_reason)
         return dataclasses.replace(out, outputs=[completion], finished=finished)
+
+
+def ended_on_stop_token(finish_reason: str | None, stop_reason: int | str | None) -> bool:
+    """Whether a finished request ended on a token that stops it: EOS (no stop_reason) or one of
+    its stop_token_ids (that id); a stop string's stop_reason is the string."""
+    return finish_reason == "stop" and not isinstance(stop_reason, str)
 
 
 def token_output(req: Request, prompt: str | None) -> RequestOutput:
@@ -146,7 +163,9 @@ class OutputProcessor:
                 continue
             if track.text is None:
                 track.text = TextTracker(self.tokenizer, req.prompt_token_ids, req.sampling_params)
-            if track.text.update(req.output_token_ids, req.is_finished()) and not req.is_finished():
+            finished = req.is_finished()
+            stop_token = finished and ended_on_stop_token(req.finish_reason(), req.stop_reason)
+            if track.text.update(req.output_token_ids, finished, stop_token) and not finished:
                 stopped.append((req.request_id, track.text.stop_reason))
         return stopped
 
