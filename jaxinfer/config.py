@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 import types
 import typing
@@ -282,6 +284,7 @@ class EngineConfig:
         if isinstance(self.int8_activations, bool):
             object.__setattr__(self, "int8_activations", "on" if self.int8_activations else "off")
         _check_choices(self)
+        _check_types(self)
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a positive power of two")
         if self.num_pages is not None and self.num_pages < 2:
@@ -336,6 +339,35 @@ def literal_choices(annotation) -> tuple | None:
             choices.extend(inner)
         return tuple(choices)
     return None
+
+
+def _check_types(config) -> None:
+    """ValueError naming the field when an int, float, bool or str field (or one of those or
+    None) holds a value of another type: a bool is no int, a float no int (2.5 pages), an int
+    is a float, and a float must be finite. Literal fields are `_check_choices`'s."""
+    hints = typing.get_type_hints(type(config))
+    for field in dataclasses.fields(config):
+        annotation = hints[field.name]
+        if literal_choices(annotation) is not None:
+            continue
+        members = set(typing.get_args(annotation)) if isinstance(annotation, types.UnionType) \
+            else {annotation}
+        value = getattr(config, field.name)
+        if value is None and type(None) in members:
+            continue
+        kinds = members - {type(None)}
+        if len(kinds) != 1 or not kinds <= {int, float, bool, str}:
+            continue  # another type: its own checks
+        (kind,) = kinds
+        ok = {int: isinstance(value, numbers.Integral) and not isinstance(value, bool),
+              float: (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                      and math.isfinite(value)),
+              bool: isinstance(value, bool), str: isinstance(value, str)}[kind]
+        if not ok:
+            what = {int: "an integer", float: "a finite number", bool: "True or False",
+                    str: "a string"}[kind]
+            raise ValueError(f"{field.name}={value!r} must be {what}"
+                             + (" or None" if type(None) in members else ""))
 
 
 def _check_choices(config) -> None:

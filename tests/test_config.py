@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 
@@ -138,3 +139,31 @@ def test_engine_config_validation():
 
 def test_configs_models_files_exist():
     assert {"llama-3.1-8b.json", "llama-3.2-1b.json"} <= set(os.listdir(CONFIGS_DIR))
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(num_pages=2.5), "num_pages=2.5 must be an integer or None"),
+    (dict(max_model_len=100.5), "max_model_len=100.5 must be an integer or None"),
+    (dict(max_num_seqs="4"), "max_num_seqs='4' must be an integer"),
+    (dict(max_num_batched_tokens=True), "max_num_batched_tokens=True must be an integer"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching='no' must be True or False"),
+    (dict(background_linger_s=float("nan")), "background_linger_s=nan must be a finite number"),
+    (dict(kv_memory_fraction="0.5"), "kv_memory_fraction='0.5' must be a finite number or None"),
+    (dict(draft_model=5), "draft_model=5 must be a string or None"),
+])
+def test_engine_config_fields_of_the_wrong_type_are_named(bad, message):
+    """A value of the wrong type is refused naming the field, before it can fail deep in the
+    engine's build (2.5 pages) or pass as something else ("no" is truthy)."""
+    from jaxinfer.config import EngineConfig
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(**bad)
+
+
+def test_engine_config_numbers_of_any_integral_or_real_kind_pass():
+    import numpy as np
+
+    from jaxinfer.config import EngineConfig
+
+    ec = EngineConfig(num_pages=np.int64(64), kv_memory_fraction=1, background_linger_s=0)
+    assert ec.num_pages == 64 and ec.kv_memory_fraction == 1
