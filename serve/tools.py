@@ -216,7 +216,6 @@ class ToolStream:
                 _, found = parse_hermes(block)
                 if found:
                     calls += found
-                    content.append(None)  # the content on either side is not merged
                 else:
                     content.append(block)  # not a call: it stays in the content
                 continue
@@ -234,8 +233,6 @@ class ToolStream:
             self.held, self.in_block = "", False
         out = []
         for piece in content:
-            if piece is None:
-                continue
             piece = self.space + piece
             text = piece.rstrip()
             self.space = piece[len(text):]
