@@ -126,3 +126,11 @@ def test_the_stop_tokens_text_is_left_out_unless_asked_for():
     c = CompletionOutput(0, "", ids("ab") + [eos], finish_reason="length")
     tracker = TextTracker(TOK, ids("p"), SamplingParams(skip_special_tokens=False))
     assert tracker.apply(RequestOutput("r", None, ids("p"), [c], True)).outputs[0].text == "ab</s>"
+
+
+def test_a_completed_grammar_keeps_its_last_tokens_text():
+    """A request whose grammar completed ends with "stop" and no stop_reason on a token of its
+    text (no EOS): that text stays."""
+    tracker = TextTracker(TOK, ids("p"), SamplingParams())
+    c = CompletionOutput(0, "", ids('{"a": 1}'), finish_reason="stop", stop_reason=None)
+    assert tracker.apply(RequestOutput("r", None, ids("p"), [c], True)).outputs[0].text == '{"a": 1}'

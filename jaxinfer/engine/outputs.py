@@ -28,6 +28,7 @@ class TextTracker:
         self.stops = params.stop_list()
         self.include_stop = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens  # stop strings count only after this many tokens
+        self.eos_token_ids = tuple(getattr(tokenizer, "eos_token_ids", ()))
         self.done = False  # fed its final tokens
         self.text = ""  # all text decoded so far (before stop truncation)
         self.stopped_text: str | None = None  # the final text once a stop string matched
@@ -75,6 +76,15 @@ class TextTracker:
         self.num_tokens_at_stop = self.detok.num_tokens_seen
         return True
 
+    def ended_on_stop_token(self, token_ids: Sequence[int], finish_reason: str | None,
+                            stop_reason: int | str | None) -> bool:
+        """Whether a finished request's last token stopped it: one of its stop_token_ids (the
+        stop_reason) or EOS (no stop_reason). A grammar that completed also ends with "stop" and
+        no stop_reason, on a token of its text; a stop string's stop_reason is the string."""
+        if finish_reason != "stop" or isinstance(stop_reason, str) or not token_ids:
+            return False
+        return stop_reason is not None or token_ids[-1] in self.eos_token_ids
+
     def visible_text(self, finished: bool) -> str:
         """The text to show now: cut at a stop, and while running without the tail that may still
         grow into a stop string."""
@@ -91,7 +101,8 @@ class TextTracker:
             finished = True
         else:
             self.update(c.token_ids, out.finished,
-                        stop_token=ended_on_stop_token(c.finish_reason, c.stop_reason))
+                        stop_token=self.ended_on_stop_token(c.token_ids, c.finish_reason,
+                                                            c.stop_reason))
             finished = out.finished or self.stopped
         token_ids, logprobs = c.token_ids, c.logprobs
         finish_reason, stop_reason = c.finish_reason, c.stop_reason
@@ -104,12 +115,6 @@ class TextTracker:
                                          logprobs=logprobs, finish_reason=finish_reason,
                                          stop_reason=stop_reason)
         return dataclasses.replace(out, outputs=[completion], finished=finished)
-
-
-def ended_on_stop_token(finish_reason: str | None, stop_reason: int | str | None) -> bool:
-    """Whether a finished request ended on a token that stops it: EOS (no stop_reason) or one of
-    its stop_token_ids (that id); a stop string's stop_reason is the string."""
-    return finish_reason == "stop" and not isinstance(stop_reason, str)
 
 
 def token_output(req: Request, prompt: str | None) -> RequestOutput:
@@ -164,7 +169,8 @@ class OutputProcessor:
             if track.text is None:
                 track.text = TextTracker(self.tokenizer, req.prompt_token_ids, req.sampling_params)
             finished = req.is_finished()
-            stop_token = finished and ended_on_stop_token(req.finish_reason(), req.stop_reason)
+            stop_token = finished and track.text.ended_on_stop_token(
+                req.output_token_ids, req.finish_reason(), req.stop_reason)
             if track.text.update(req.output_token_ids, finished, stop_token) and not finished:
                 stopped.append((req.request_id, track.text.stop_reason))
         return stopped
