@@ -306,6 +306,8 @@ def check_multi_process_failure(model_dir: str, fails: str) -> None:
 
 
 def _value(text: str):
+    if text in ("true", "false"):
+        return text == "true"
     try:
         return int(text)
     except ValueError:

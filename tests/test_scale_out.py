@@ -76,8 +76,8 @@ def test_tensor_parallel_quantized_kernels_per_device(wide_llama_dir, tmp_path):
     gguf_checks = (f"tp:model={gguf},tokenizer={wide_llama_dir}",
                    f"tp_hlo:model={gguf},tokenizer={wide_llama_dir}")
     out = run_checks(2, wide_llama_dir, "tp:quantization=int8", "tp:quantization=int4",
-                     "tp:quantization=int4,quantize_lm_head=1,attention_backend=pallas",
-                     "tp_hlo:quantization=int8", "tp_hlo:quantization=int4,quantize_lm_head=1",
+                     "tp:quantization=int4,quantize_lm_head=true,attention_backend=pallas",
+                     "tp_hlo:quantization=int8", "tp_hlo:quantization=int4,quantize_lm_head=true",
                      *gguf_checks)  # one process: its start-up (jax, kernels) paid once
     oks = [line for line in out.splitlines() if line.startswith("ok")]  # one per check, in order
     assert len(oks) == 7, out
