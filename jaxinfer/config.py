@@ -283,8 +283,9 @@ class EngineConfig:
     def __post_init__(self):
         if isinstance(self.int8_activations, bool):
             object.__setattr__(self, "int8_activations", "on" if self.int8_activations else "off")
-        _check_choices(self)
-        _check_types(self)
+        hints = typing.get_type_hints(type(self))
+        _check_choices(self, hints)
+        _check_types(self, hints)
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a positive power of two")
         if self.num_pages is not None and self.num_pages < 2:
@@ -341,11 +342,10 @@ def literal_choices(annotation) -> tuple | None:
     return None
 
 
-def _check_types(config) -> None:
+def _check_types(config, hints: dict[str, Any]) -> None:
     """ValueError naming the field when an int, float, bool or str field (or one of those or
     None) holds a value of another type: a bool is no int, a float no int (2.5 pages), an int
     is a float, and a float must be finite. Literal fields are `_check_choices`'s."""
-    hints = typing.get_type_hints(type(config))
     for field in dataclasses.fields(config):
         annotation = hints[field.name]
         if literal_choices(annotation) is not None:
@@ -370,9 +370,8 @@ def _check_types(config) -> None:
                              + (" or None" if type(None) in members else ""))
 
 
-def _check_choices(config) -> None:
+def _check_choices(config, hints: dict[str, Any]) -> None:
     """ValueError naming the field when a Literal-typed field holds another value."""
-    hints = typing.get_type_hints(type(config))
     for field in dataclasses.fields(config):
         choices = literal_choices(hints[field.name])
         value = getattr(config, field.name)

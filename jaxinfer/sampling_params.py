@@ -210,7 +210,7 @@ def _normalize_logit_bias(bias) -> dict[int, float] | None:
     out = {}
     for k, v in bias.items():
         # an int, or (JSON bodies, the OpenAI API) a string of one; never a float's truncation
-        if not (_is_int(k) or (isinstance(k, str) and k.strip().lstrip("+-").isdigit())):
+        if not (_is_int(k) or (isinstance(k, str) and k.strip().lstrip("+-").isdecimal())):
             raise ValueError(f"logit_bias key {k!r} must be a token id")
         token_id = int(k)
         if token_id < 0:

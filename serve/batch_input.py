@@ -95,8 +95,8 @@ def parse_line(raw: bytes, number: int) -> BatchLine | BadLine:
         return BadLine(number, fallback, "invalid_encoding", f"line {number} is not UTF-8: {e}")
     try:
         obj = json.loads(text, parse_constant=not_json_number)
-        # a lone surrogate ("\\ud800") reads as a str that no UTF-8 request body can carry
-        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        if "\\u" in text:  # an escaped lone surrogate ("\\ud800") reads as a str that no
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")  # UTF-8 request body can carry
     except ValueError as e:  # JSONDecodeError, NaN / Infinity, UnicodeEncodeError
         return BadLine(number, fallback, "invalid_json", f"line {number} is not JSON: {e}")
     except RecursionError:

@@ -39,15 +39,17 @@ class TextTracker:
     def stopped(self) -> bool:
         return self.stopped_text is not None
 
-    def update(self, token_ids: Sequence[int], finished: bool, stop_token: bool = False) -> bool:
-        """Feeds the tokens not seen yet; True when a stop string matched in them. `stop_token`:
-        the request ended on a stop token (EOS or one of stop_token_ids), the last of
-        `token_ids`, whose text is left out unless include_stop_str_in_output (as vLLM does).
-        A stop string counts only in text after the first min_tokens tokens (as vLLM's)."""
+    def update(self, token_ids: Sequence[int], finished: bool, finish_reason: str | None = None,
+               stop_reason: int | str | None = None) -> bool:
+        """Feeds the tokens not seen yet; True when a stop string matched in them. A finished
+        request that ended on a stop token (EOS or one of stop_token_ids: `_ended_on_stop_token`)
+        leaves that token's text out unless include_stop_str_in_output (as vLLM does). A stop
+        string counts only in text after the first min_tokens tokens (as vLLM's)."""
         if self.stopped or self.done:
             return False
         new_ids = token_ids[self.detok.num_tokens_seen:]
-        if finished and stop_token and not self.include_stop:
+        if (finished and not self.include_stop
+                and self._ended_on_stop_token(token_ids, finish_reason, stop_reason)):
             new_ids = new_ids[:-1]
         if not self.stops:
             self.text += self.detok.add(new_ids) if new_ids else ""
@@ -76,7 +78,7 @@ class TextTracker:
         self.num_tokens_at_stop = self.detok.num_tokens_seen
         return True
 
-    def ended_on_stop_token(self, token_ids: Sequence[int], finish_reason: str | None,
+    def _ended_on_stop_token(self, token_ids: Sequence[int], finish_reason: str | None,
                             stop_reason: int | str | None) -> bool:
         """Whether a finished request's last token stopped it: one of its stop_token_ids (the
         stop_reason) or EOS (no stop_reason). A grammar that completed also ends with "stop" and
@@ -100,9 +102,7 @@ class TextTracker:
         if self.stopped:
             finished = True
         else:
-            self.update(c.token_ids, out.finished,
-                        stop_token=self.ended_on_stop_token(c.token_ids, c.finish_reason,
-                                                            c.stop_reason))
+            self.update(c.token_ids, out.finished, c.finish_reason, c.stop_reason)
             finished = out.finished or self.stopped
         token_ids, logprobs = c.token_ids, c.logprobs
         finish_reason, stop_reason = c.finish_reason, c.stop_reason
@@ -169,9 +169,9 @@ class OutputProcessor:
             if track.text is None:
                 track.text = TextTracker(self.tokenizer, req.prompt_token_ids, req.sampling_params)
             finished = req.is_finished()
-            stop_token = finished and track.text.ended_on_stop_token(
-                req.output_token_ids, req.finish_reason(), req.stop_reason)
-            if track.text.update(req.output_token_ids, finished, stop_token) and not finished:
+            reason = req.finish_reason() if finished else None
+            if (track.text.update(req.output_token_ids, finished, reason, req.stop_reason)
+                    and not finished):
                 stopped.append((req.request_id, track.text.stop_reason))
         return stopped
 
