@@ -19,7 +19,8 @@
 // rows), once per 32 rows of K and 64 columns into a buffer in L1; every row of x then runs over
 // that buffer in tiles of up to 3 rows, a broadcast of its 4 int8 values against each vector.
 // A work item is a range of columns (ItemBlocks), its code rows read forward part by part.
-// Without VNNI a plain C++ loop computes the same sums.
+// With AVX2 and no VNNI, vpmaddubsw and vpmaddwd compute the same exact sums (Avx2Columns); with
+// neither, a plain C++ loop.
 
 #include <algorithm>
 #include <cmath>
@@ -31,8 +32,14 @@
 #include "quant_params.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define JAXINFER_Q8_VNNI 1
+#elif defined(__AVX2__)
+#define JAXINFER_Q8_AVX2 1
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -151,7 +158,74 @@ void PlainColumns(const Problem& p, float* y, int64_t c0, int64_t c1) {
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(JAXINFER_Q8_VNNI) || defined(JAXINFER_Q8_AVX2)
+// The chunks of a whole part (kPartK rows of K), the usual case: a loop of constant length,
+// unrolled, so the compiler keeps the sums in place (with the length a variable, GCC copied
+// every accumulator from register to register on each chunk; 16-256 rows of x were 1.05-1.16x
+// slower so).
+constexpr int64_t kPartChunks = 8;
+
+constexpr int64_t kPartK = 32;  // rows of K interleaved at a time (a group may have several)
+static_assert(kPartK == 4 * kPartChunks);
+// 64-column blocks of a work item. Each item walks its code rows forward, so the wider it is,
+// the longer the run of memory each code row gives it (a few rows of x are bound by reading the
+// codes); its [M, width] f32 accumulators bound it from above, and the threads want items to
+// share. Columns are independent, so the width never changes a result.
+constexpr int64_t kMinItemBlocks = 4;      // 256 columns
+constexpr int64_t kMaxItemBlocks = 64;     // 4096 columns
+constexpr int64_t kItemAccFloats = 16384;  // 64 KB of accumulators
+
+// Blocks an item takes: the widest whose items the threads share most evenly (items of
+// `width` blocks and a last one of the rest, each to the least loaded thread, as the shared
+// counter hands them out). Widths are tried from the widest down, and the first that gives every
+// thread its even share ends the search (it runs on every call: SmolLM2's matrices find it in
+// 1-25 tries).
+int64_t ItemBlocks(int64_t m, int64_t block_count, int64_t threads) {
+  const int64_t widest = std::clamp<int64_t>(kItemAccFloats / (kCols * std::max<int64_t>(1, m)),
+                                             kMinItemBlocks, kMaxItemBlocks);
+  threads = std::clamp<int64_t>(threads, 1, 64);
+  const int64_t even = (block_count + threads - 1) / threads;  // no width does better
+  int64_t best = 1, best_load = block_count + 1;
+  for (int64_t width = std::min(widest, block_count); width >= 1; --width) {
+    int64_t load[64] = {};
+    for (int64_t start = 0; start < block_count; start += width) {
+      int64_t* least = std::min_element(load, load + threads);
+      *least += std::min(width, block_count - start);
+    }
+    const int64_t most = *std::max_element(load, load + threads);
+    if (most < best_load) best = width, best_load = most;
+    if (most == even) break;
+  }
+  return best;
+}
+
+// What an item prefetches: the code rows it reads `kAheadBlocks` blocks of kPartK rows from
+// now (its blocks are read part by part, block by block), from `base` (those rows' first, at
+// that block's columns), `rows` of them before the last code row. A prefetch that far ahead in
+// the item's own order arrives in time and is not evicted before its use, however wide the item.
+// Into L2, not L1: with L1 as the target, a row of x took 1.3x as long (the prefetches' fills
+// then compete with the interleave's own loads for L1's miss buffers), 9 rows 1.05-1.1x.
+constexpr int64_t kAheadBlocks = 2;
+
+struct Ahead {
+  const uint8_t* base = nullptr;  // nullptr: past the last code row
+  int64_t rows = 0;
+
+  Ahead(const Problem& p, int64_t c0, int blocks, int b, int64_t row0, int64_t code_rows) {
+    const int64_t next = b + kAheadBlocks, r = row0 + next / blocks * kPartK;
+    if (r >= code_rows) return;
+    base = static_cast<const uint8_t*>(p.values) + r * p.ld + c0 + 64 * (next % blocks);
+    rows = code_rows - r;
+  }
+
+  void Fetch(int64_t i, int64_t n) const {  // the i-th code row from base
+    if (i < rows) _mm_prefetch(reinterpret_cast<const char*>(base + i * n), _MM_HINT_T1);
+  }
+};
+
+#endif
+
+#if defined(JAXINFER_Q8_VNNI)
 constexpr int kTileRows = 3;  // 3 rows x 8 int32 accumulators + broadcasts fit the 32 registers
 
 // 4 rows of 64 bytes (a, b, c, d: rows k .. k + 3 of 64 columns) -> 4 vectors of one dword a
@@ -215,12 +289,6 @@ inline void Chunk(const Problem& p, int64_t m0, int64_t k0, const __m512i* w, __
     }
   }
 }
-
-// The chunks of a whole part (kPartK rows of K), the usual case: a loop of constant length,
-// unrolled, so the compiler keeps the sums in place (with the length a variable, GCC copied
-// every accumulator from register to register on each chunk; 16-256 rows of x were 1.05-1.16x
-// slower so).
-constexpr int64_t kPartChunks = 8;
 
 // The contribution of rows k0 .. k0 + 4 chunks of K (within param group g) to rows [m0, m0 + R)
 // of x: `w` their interleaved codes (chunks of 4 rows of K, 4 vectors each). out: [M, 64]
@@ -334,64 +402,6 @@ inline void AmxRows(const Problem& p, int64_t g, int64_t k0, const __m512i* w,
   }
 }
 #endif
-
-constexpr int64_t kPartK = 32;  // rows of K interleaved at a time (a group may have several)
-static_assert(kPartK == 4 * kPartChunks);
-// 64-column blocks of a work item. Each item walks its code rows forward, so the wider it is,
-// the longer the run of memory each code row gives it (a few rows of x are bound by reading the
-// codes); its [M, width] f32 accumulators bound it from above, and the threads want items to
-// share. Columns are independent, so the width never changes a result.
-constexpr int64_t kMinItemBlocks = 4;      // 256 columns
-constexpr int64_t kMaxItemBlocks = 64;     // 4096 columns
-constexpr int64_t kItemAccFloats = 16384;  // 64 KB of accumulators
-
-// Blocks an item takes: the widest whose items the threads share most evenly (items of
-// `width` blocks and a last one of the rest, each to the least loaded thread, as the shared
-// counter hands them out). Widths are tried from the widest down, and the first that gives every
-// thread its even share ends the search (it runs on every call: SmolLM2's matrices find it in
-// 1-25 tries).
-int64_t ItemBlocks(int64_t m, int64_t block_count, int64_t threads) {
-  const int64_t widest = std::clamp<int64_t>(kItemAccFloats / (kCols * std::max<int64_t>(1, m)),
-                                             kMinItemBlocks, kMaxItemBlocks);
-  threads = std::clamp<int64_t>(threads, 1, 64);
-  const int64_t even = (block_count + threads - 1) / threads;  // no width does better
-  int64_t best = 1, best_load = block_count + 1;
-  for (int64_t width = std::min(widest, block_count); width >= 1; --width) {
-    int64_t load[64] = {};
-    for (int64_t start = 0; start < block_count; start += width) {
-      int64_t* least = std::min_element(load, load + threads);
-      *least += std::min(width, block_count - start);
-    }
-    const int64_t most = *std::max_element(load, load + threads);
-    if (most < best_load) best = width, best_load = most;
-    if (most == even) break;
-  }
-  return best;
-}
-
-// What an item prefetches: the code rows it reads `kAheadBlocks` blocks of kPartK rows from
-// now (its blocks are read part by part, block by block), from `base` (those rows' first, at
-// that block's columns), `rows` of them before the last code row. A prefetch that far ahead in
-// the item's own order arrives in time and is not evicted before its use, however wide the item.
-// Into L2, not L1: with L1 as the target, a row of x took 1.3x as long (the prefetches' fills
-// then compete with the interleave's own loads for L1's miss buffers), 9 rows 1.05-1.1x.
-constexpr int64_t kAheadBlocks = 2;
-
-struct Ahead {
-  const uint8_t* base = nullptr;  // nullptr: past the last code row
-  int64_t rows = 0;
-
-  Ahead(const Problem& p, int64_t c0, int blocks, int b, int64_t row0, int64_t code_rows) {
-    const int64_t next = b + kAheadBlocks, r = row0 + next / blocks * kPartK;
-    if (r >= code_rows) return;
-    base = static_cast<const uint8_t*>(p.values) + r * p.ld + c0 + 64 * (next % blocks);
-    rows = code_rows - r;
-  }
-
-  void Fetch(int64_t i, int64_t n) const {  // the i-th code row from base
-    if (i < rows) _mm_prefetch(reinterpret_cast<const char*>(base + i * n), _MM_HINT_T1);
-  }
-};
 
 // One block's part of the int4 codes: packed rows [i0, i0 + 4 chunks) of columns [col, col + 64),
 // low nibbles (rows i of K) into lo, high ones (rows K/2 + i) into hi, prefetching `ahead`.
@@ -523,6 +533,227 @@ void StoreColumns(const Problem& p, const float* out, int blocks, float* y, int6
 }
 #endif
 
+#if defined(JAXINFER_Q8_AVX2)
+// AVX2 without VNNI: the same exact integer sums, from vpmaddubsw (unsigned x signed bytes, each
+// pair summed into an int16) and vpmaddwd by ones (pairs of those into an int32), as llama.cpp
+// computes its quantized dot products on such CPUs. A 64-column block is taken as two halves of
+// 32 columns; a half's 4 rows of K interleave as the AVX-512 path's do, within 128-bit lanes:
+// vector v, dword 4 L + e holds column 16 L + 4 v + e of the half (L = 0, 1).
+constexpr int64_t kHalfCols = 32;
+constexpr int kAvx2TileRows = 3;  // 3 rows x 4 sums + 3 broadcasts fit the 16 registers
+
+inline void Interleave4(__m256i a, __m256i b, __m256i c, __m256i d, __m256i* out) {
+  const __m256i t0 = _mm256_unpacklo_epi8(a, b), t1 = _mm256_unpackhi_epi8(a, b);
+  const __m256i t2 = _mm256_unpacklo_epi8(c, d), t3 = _mm256_unpackhi_epi8(c, d);
+  out[0] = _mm256_unpacklo_epi16(t0, t2);
+  out[1] = _mm256_unpackhi_epi16(t0, t2);
+  out[2] = _mm256_unpacklo_epi16(t1, t3);
+  out[3] = _mm256_unpackhi_epi16(t1, t3);
+}
+
+inline __m128 Load4(const void* base, int64_t index, bool f16) {
+  if (f16) {
+#if defined(__F16C__)
+    return _mm_cvtph_ps(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index)));
+#else
+    const uint16_t* h = static_cast<const uint16_t*>(base) + index;
+    return _mm_setr_ps(jaxinfer::half_to_float(h[0]), jaxinfer::half_to_float(h[1]),
+                       jaxinfer::half_to_float(h[2]), jaxinfer::half_to_float(h[3]));
+#endif
+  }
+  return _mm_loadu_ps(static_cast<const float*>(base) + index);
+}
+
+// A parameter row's 32 columns from `index` in the interleaved order: out[v] lane 4 L + e =
+// column 16 L + 4 v + e.
+inline void LoadPermuted(const void* base, int64_t index, bool f16, __m256* out) {
+  for (int v = 0; v < 4; ++v)
+    out[v] = _mm256_set_m128(Load4(base, index + 16 + 4 * v, f16), Load4(base, index + 4 * v, f16));
+}
+
+// As the AVX-512 path's AddScaled, 32 columns: o += dot * (scale * d) (+ minimum * sum of x).
+inline void AddScaled(const Problem& p, int64_t row, int64_t g, const __m256i dot[4],
+                      const __m256 scale[4], const __m256* minimum, float* o) {
+  const __m256 d = _mm256_set1_ps(p.xd[row * p.num_groups + g]);
+  const __m256 s = _mm256_set1_ps(p.xs[row * p.num_groups + g]);
+  for (int v = 0; v < 4; ++v) {
+    __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[v]), _mm256_mul_ps(scale[v], d),
+                               _mm256_loadu_ps(o + 8 * v));
+    if (minimum != nullptr) y = _mm256_fmadd_ps(minimum[v], s, y);
+    _mm256_storeu_ps(o + 8 * v, y);
+  }
+}
+
+inline __m256i Broadcast4(const int8_t* x) {
+  int32_t four;
+  std::memcpy(&four, x, 4);
+  return _mm256_set1_epi32(four);
+}
+
+// int4 codes (0..15) x int8 x (-127..127): a byte pair sums to at most 2 * 15 * 127 = 3810, so
+// the int16 sums of a part's 8 chunks (30480) do not overflow; one vpmaddwd per part widens them.
+template <int R>
+inline void Int4Tile(const Problem& p, int64_t m0, int64_t g, int64_t k0, int64_t chunks,
+                     const __m256i* w, const __m256 scale[4], const __m256* minimum, float* out,
+                     int64_t out_stride) {
+  __m256i acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_si256();
+  auto chunk = [&](int64_t ch) {
+    for (int r = 0; r < R; ++r) {
+      const __m256i xb = Broadcast4(p.xq + (m0 + r) * p.k + k0 + 4 * ch);
+      for (int v = 0; v < 4; ++v)
+        acc[r][v] = _mm256_add_epi16(acc[r][v], _mm256_maddubs_epi16(w[4 * ch + v], xb));
+    }
+  };
+  if (chunks == kPartChunks) {
+#pragma GCC unroll 8
+    for (int64_t ch = 0; ch < kPartChunks; ++ch) chunk(ch);
+  } else {
+    for (int64_t ch = 0; ch < chunks; ++ch) chunk(ch);
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    __m256i dot[4];
+    for (int v = 0; v < 4; ++v) dot[v] = _mm256_madd_epi16(acc[r][v], ones);
+    AddScaled(p, m0 + r, g, dot, scale, minimum, out + (m0 + r) * out_stride);
+  }
+}
+
+// int8 codes x int8 x, both signed: vpmaddubsw takes |w| (unsigned, at most 128) and x with w's
+// sign (vpsignb), whose pairs sum to at most 2 * 128 * 127 = 32512, widened every chunk.
+template <int R>
+inline void Int8Tile(const Problem& p, int64_t m0, int64_t g, int64_t k0, int64_t chunks,
+                     const __m256i* w, const __m256i* w_abs, const __m256 scale[4], float* out,
+                     int64_t out_stride) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_si256();
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    for (int r = 0; r < R; ++r) {
+      const __m256i xb = Broadcast4(p.xq + (m0 + r) * p.k + k0 + 4 * ch);
+      for (int v = 0; v < 4; ++v) {
+        const __m256i pairs =
+            _mm256_maddubs_epi16(w_abs[4 * ch + v], _mm256_sign_epi8(xb, w[4 * ch + v]));
+        acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) AddScaled(p, m0 + r, g, acc[r], scale, nullptr, out + (m0 + r) * out_stride);
+}
+
+inline void Int4Rows(const Problem& p, int64_t g, int64_t k0, int64_t chunks, const __m256i* w,
+                     const __m256 scale[4], const __m256* minimum, float* out, int64_t stride) {
+  int64_t m0 = 0;
+  for (; m0 + kAvx2TileRows <= p.m; m0 += kAvx2TileRows)
+    Int4Tile<kAvx2TileRows>(p, m0, g, k0, chunks, w, scale, minimum, out, stride);
+  if (p.m - m0 == 2) Int4Tile<2>(p, m0, g, k0, chunks, w, scale, minimum, out, stride);
+  if (p.m - m0 == 1) Int4Tile<1>(p, m0, g, k0, chunks, w, scale, minimum, out, stride);
+}
+
+inline void Int8Rows(const Problem& p, int64_t g, int64_t k0, int64_t chunks, const __m256i* w,
+                     const __m256i* w_abs, const __m256 scale[4], float* out, int64_t stride) {
+  int64_t m0 = 0;
+  for (; m0 + kAvx2TileRows <= p.m; m0 += kAvx2TileRows)
+    Int8Tile<kAvx2TileRows>(p, m0, g, k0, chunks, w, w_abs, scale, out, stride);
+  if (p.m - m0 == 2) Int8Tile<2>(p, m0, g, k0, chunks, w, w_abs, scale, out, stride);
+  if (p.m - m0 == 1) Int8Tile<1>(p, m0, g, k0, chunks, w, w_abs, scale, out, stride);
+}
+
+// Columns [c0, c0 + 64 blocks) of every row into out ([M, 64 blocks], each half block's 32 in
+// the interleaved order), as VnniColumns.
+void Avx2Columns(const Problem& p, int64_t c0, int blocks, float* out) {
+  const int64_t gs = p.group_size, ow = kCols * blocks;
+  alignas(32) __m256i lo[kPartK], hi[kPartK];  // one half block's kPartK / 4 chunks x 4 vectors
+  __m256 s_lo[4], s_hi[4], o_lo[4], o_hi[4];
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if (p.bits == 4) {
+    const uint8_t* q = static_cast<const uint8_t*>(p.values);
+    const int64_t half_groups = (p.k / 2) / gs;
+    const __m256 minus8 = _mm256_set1_ps(-8.0f);
+    for (int64_t g = 0; g < half_groups; ++g) {
+      const int64_t g_hi = g + half_groups;
+      for (int64_t i0 = g * gs; i0 < (g + 1) * gs; i0 += kPartK) {
+        const int64_t chunks = (std::min((g + 1) * gs, i0 + kPartK) - i0) / 4;
+        const bool first = i0 == g * gs;  // the minimum term once per group, with its first part
+        for (int b = 0; b < blocks; ++b) {
+          const Ahead ahead(p, c0, blocks, b, i0, p.k / 2);
+          for (int h = 0; h < 2; ++h) {
+            const int64_t col = c0 + 64 * b + kHalfCols * h;
+            for (int64_t ch = 0; ch < chunks; ++ch) {
+              const uint8_t* row = q + (i0 + 4 * ch) * p.ld + col;
+              __m256i l[4], u[4];
+              for (int t = 0; t < 4; ++t) {
+                if (h == 0) ahead.Fetch(4 * ch + t, p.ld);
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + t * p.ld));
+                l[t] = _mm256_and_si256(v, low4);
+                u[t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+              }
+              Interleave4(l[0], l[1], l[2], l[3], lo + 4 * ch);
+              Interleave4(u[0], u[1], u[2], u[3], hi + 4 * ch);
+            }
+            LoadPermuted(p.scales, g * p.ld + col, p.f16_params, s_lo);
+            LoadPermuted(p.scales, g_hi * p.ld + col, p.f16_params, s_hi);
+            if (first && p.mins != nullptr) {
+              LoadPermuted(p.mins, g * p.ld + col, p.f16_params, o_lo);
+              LoadPermuted(p.mins, g_hi * p.ld + col, p.f16_params, o_hi);
+            } else if (first) {
+              for (int v = 0; v < 4; ++v) {
+                o_lo[v] = _mm256_mul_ps(s_lo[v], minus8);
+                o_hi[v] = _mm256_mul_ps(s_hi[v], minus8);
+              }
+            }
+            float* o = out + 64 * b + kHalfCols * h;
+            Int4Rows(p, g, i0, chunks, lo, s_lo, first ? o_lo : nullptr, o, ow);
+            Int4Rows(p, g_hi, p.k / 2 + i0, chunks, hi, s_hi, first ? o_hi : nullptr, o, ow);
+          }
+        }
+      }
+    }
+    return;
+  }
+  const int8_t* q = static_cast<const int8_t*>(p.values);
+  for (int64_t g = 0; g < p.num_groups; ++g) {
+    const int64_t g_end = std::min(p.k, (g + 1) * gs);
+    for (int64_t k0 = g * gs; k0 < g_end; k0 += kPartK) {
+      const int64_t chunks = (std::min(g_end, k0 + kPartK) - k0) / 4;
+      for (int b = 0; b < blocks; ++b) {
+        const Ahead ahead(p, c0, blocks, b, k0, p.k);
+        for (int h = 0; h < 2; ++h) {
+          const int64_t col = c0 + 64 * b + kHalfCols * h;
+          for (int64_t ch = 0; ch < chunks; ++ch) {
+            const int8_t* row = q + (k0 + 4 * ch) * p.ld + col;
+            __m256i r[4];
+            for (int t = 0; t < 4; ++t) {
+              if (h == 0) ahead.Fetch(4 * ch + t, p.ld);
+              r[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + t * p.ld));
+            }
+            Interleave4(r[0], r[1], r[2], r[3], lo + 4 * ch);
+            for (int v = 0; v < 4; ++v) hi[4 * ch + v] = _mm256_abs_epi8(lo[4 * ch + v]);
+          }
+          LoadPermuted(p.scales, g * p.ld + col, p.f16_params, s_lo);
+          Int8Rows(p, g, k0, chunks, lo, hi, s_lo, out + 64 * b + kHalfCols * h, ow);
+        }
+      }
+    }
+  }
+}
+
+// out ([M, 64 blocks], interleaved order per half block) -> y[:, c0 .. c0 + 64 blocks)
+void StoreColumns(const Problem& p, const float* out, int blocks, float* y, int64_t c0) {
+  for (int64_t r = 0; r < p.m; ++r) {
+    for (int64_t half = 0; half < 2 * blocks; ++half) {
+      const float* o = out + r * kCols * blocks + kHalfCols * half;
+      float* dst = y + r * p.n + c0 + kHalfCols * half;
+      for (int v = 0; v < 4; ++v)
+        for (int lane = 0; lane < 8; ++lane) dst[16 * (lane / 4) + 4 * v + lane % 4] = o[8 * v + lane];
+    }
+  }
+}
+#endif
+
 ffi::Error QuantMatmulQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
                              ffi::AnyBuffer scales, ffi::AnyBuffer mins,
                              ffi::Buffer<ffi::S32> num_rows, int64_t bits, int64_t group_size,
@@ -566,14 +797,18 @@ ffi::Error QuantMatmulQ8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   float* out = y->typed_data();
   jaxinfer::ZeroRowsFrom(out, p.m, xd[0], p.n);
   if (p.m == 0) return ffi::Error::Success();
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(JAXINFER_Q8_VNNI) || defined(JAXINFER_Q8_AVX2)
   const int64_t block_count = p.n / kCols;
   const int64_t per_item = ItemBlocks(p.m, block_count, pool.num_threads());
   jaxinfer::ParallelFor(pool, (block_count + per_item - 1) / per_item, p.m * p.k * p.n / 4,
                         [&](int64_t i) {
     const int blocks = static_cast<int>(std::min(per_item, block_count - i * per_item));
     std::vector<float> acc(p.m * kCols * blocks, 0.0f);
+#if defined(JAXINFER_Q8_VNNI)
     VnniColumns(p, i * per_item * kCols, blocks, acc.data());
+#else
+    Avx2Columns(p, i * per_item * kCols, blocks, acc.data());
+#endif
     StoreColumns(p, acc.data(), blocks, out, i * per_item * kCols);
   });
   return ffi::Error::Success();

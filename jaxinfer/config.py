@@ -254,7 +254,9 @@ class EngineConfig:
     # dot products, as llama.cpp does): a few rows cost little more than one, at a small cost in
     # quality (docs/quantization.md has the perplexity). off: x stays float32; on: an error
     # where it cannot apply (float weights, another backend); auto: on where quantized weights
-    # run on the CPU kernels of a CPU with AVX-512 VNNI, off elsewhere. True / False: on / off.
+    # run on the CPU kernels of a CPU with AVX-512 VNNI, or AVX2 without AVX-512 (where the
+    # int8 kernel is the faster one: cpu_kernels.quant_matmul.int8_activations_fast), off
+    # elsewhere. True / False: on / off.
     int8_activations: Literal["off", "on", "auto"] = "off"
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights of the model's shapes
     seed: int = 0  # seeds of requests that bring none

@@ -14,7 +14,7 @@ from cpu_kernels.quant_matmul import quant_matmul_q8_reference
 from jaxinfer import LLM, SamplingParams, ops, quant
 from jaxinfer.config import EngineConfig
 from jaxinfer.models.loader import load_model
-from jaxinfer.models.layers import QuantizedEmbed, QuantizedLinear
+from jaxinfer.models.layers import QuantizedEmbed, QuantizedLinear, set_quantized_matmul_backend
 from pallas_kernels.quant_matmul import quant_matmul_reference
 
 # dims that are multiples of 64, so every weight takes the kernel (hidden 128, q/k/v 256, gate/up
@@ -47,6 +47,22 @@ def test_a_quantized_layer_multiplies_through_the_int8_activation_kernel():
     np.testing.assert_allclose(float_y, quant_matmul_reference(*args, bits=4, group_size=32),
                                rtol=1e-5, atol=1e-5)
     assert np.abs(y - float_y).max() > 1e-4  # x was rounded: the two differ
+
+
+def test_turning_them_on_drops_a_float_copy_kept_beside_the_codes():
+    """A layer keeps its float weight for many-row products where the float kernel is slower
+    than a dense matmul; with int8 activations every row count takes the codes, so the copy
+    would only take memory."""
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((128, 192)) * 0.05, jnp.float32)
+    qw = quant.quantize_int4(w, 32, symmetric=False)
+    kept = set_quantized_matmul_backend(QuantizedLinear(qw, backend="cpu", dense=w), "cpu")
+    assert kept.dense is not None
+    layer = set_quantized_matmul_backend(QuantizedLinear(qw, backend="cpu", dense=w), "cpu",
+                                         int8_activations=True)
+    assert layer.dense is None and layer.int8_activations
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((40, 128)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(layer.matmul(x)), quant_matmul_q8_reference(
+        x, qw.values, qw.scales, qw.mins, bits=4, group_size=32), rtol=1e-5, atol=1e-5)
 
 
 def test_the_loader_turns_them_on_for_every_quantized_weight(wide_llama_dir):
@@ -97,6 +113,10 @@ def test_the_cpu_checks_its_flags_for_integer_dot_products(monkeypatch):
     monkeypatch.setattr(build, "cpu_flags", lambda: "fpu avx2 avx512f avx512bw avx512_vnni")
     assert quant_matmul.int8_activations_fast()
     monkeypatch.setattr(build, "cpu_flags", lambda: "fpu avx2 avx512f avx512bw avx_vnni")
+    assert not quant_matmul.int8_activations_fast()  # AVX-512 without its VNNI: not measured
+    monkeypatch.setattr(build, "cpu_flags", lambda: "fpu fma avx2")  # vpmaddubsw
+    assert quant_matmul.int8_activations_fast()
+    monkeypatch.setattr(build, "cpu_flags", lambda: "fpu sse4_2 avx")
     assert not quant_matmul.int8_activations_fast()
 
 

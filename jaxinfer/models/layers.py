@@ -236,13 +236,16 @@ def set_quantized_matmul_backend(model: nnx.Module, backend: str, *,
                                  int8_activations: bool = False) -> nnx.Module:
     """Point every QuantizedLinear / QuantizedEmbed of `model` at `backend` (in place), e.g.
     for a model restored from a pre-quantized checkpoint, with x rounded to int8 or not (see
-    ops.quantized_matmul); returns the model."""
+    ops.quantized_matmul; with int8, a float copy kept beside the codes is dropped); returns the
+    model."""
     if backend not in ops.BACKENDS:
         raise ValueError(f"{backend=} must be one of {ops.BACKENDS}")
     for _, module in nnx.iter_modules(model):
         if isinstance(module, (QuantizedLinear, QuantizedEmbed)):
             module.backend = backend
             module.int8_activations = int8_activations
+            if int8_activations:  # every row count then takes the codes: a float copy is unused
+                module.dense = None
     return model
 
 

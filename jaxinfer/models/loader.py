@@ -165,7 +165,7 @@ def load_model(path_or_name: str | os.PathLike,
 def _use_int8_activations(engine_config: EngineConfig, model: nnx.Module, name) -> bool:
     """Whether `model`'s quantized layers take x rounded to int8 (EngineConfig.int8_activations):
     "auto" where the CPU kernels run quantized weights on a CPU with integer dot products
-    (AVX-512 VNNI; elsewhere they would be slower); "on" on any CPU, and ValueError where it
+    (AVX-512 VNNI, or AVX2 without AVX-512; elsewhere they would be slower); "on" on any CPU, and ValueError where it
     cannot apply (another backend, or no quantized weights: `name` says which model)."""
     mode = engine_config.int8_activations
     if mode == "off":
