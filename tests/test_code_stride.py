@@ -110,6 +110,8 @@ def test_a_draft_model_is_padded_as_the_target_and_its_tokens_do_not_change(
         wide_llama_dir, monkeypatch):
     from jaxinfer.runtime import draft_model as draft_module
 
+    # the draft takes int8 activations under "auto", which depends on this CPU's flags
+    monkeypatch.setattr(ops, "cpu_int8_activations_fast", lambda: True)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     prompts = [[5, 17, 99, 140, 7, 5, 17, 99], list(range(40, 60))]
 
