@@ -19,8 +19,8 @@
 // DecodeItem: 4 pages per online-softmax update, the accumulators of up to 4 query heads (2 at
 // head_dim 128) in AVX-512 registers (a larger GQA group, e.g. Qwen2's 7, is split into items of
 // at most that many heads that read the same pages, the later ones from cache), the next pages
-// prefetched. Where it applies, every new token is an item of its own, prefill chunks and
-// verifications included: a token's row is then computed the same way, bit for bit, whatever
+// prefetched (on a CPU with AVX2 and no AVX-512, a variant with the accumulators in L1). Where
+// it applies, every new token is an item of its own, prefill chunks and verifications included: a token's row is then computed the same way, bit for bit, whatever
 // chunk or step it comes in (speculation and chunking cannot change greedy output, even where a
 // last-bit difference would be amplified: int8 activations round x), and it is faster than the
 // blocks of rows too (a 512-token chunk over 512 positions: 9.5 -> 3.8 ms a layer with a float32
@@ -37,7 +37,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -178,11 +178,11 @@ struct WorkItem {
 using DecodeFn = void (*)(const Problem&, const WorkItem&, const WorkItem*);
 
 // The decode path's item for 1 .. max_heads query heads of a KV head (by_heads[nq]); all null
-// where the path does not apply (another page size or head_dim, no AVX-512, an int8 cache
-// without scales).
+// where the path does not apply (another page size or head_dim, neither AVX-512 nor AVX2, an
+// int8 cache without scales).
 struct DecodeFns {
   DecodeFn by_heads[5] = {};
-  int max_heads = 0;  // the G whose accumulators and scores fit the 32 registers
+  int max_heads = 0;  // the G whose accumulators and scores fit the registers (AVX-512)
   explicit operator bool() const { return by_heads[1] != nullptr; }
 };
 
@@ -544,6 +544,278 @@ DecodeFns DecodeFnsOf() {
   return f;
 }
 
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// The decode path on CPUs with AVX2 and no AVX-512 (the same items, one token each, so a token's
+// row is again computed the same way in any chunk or step). Sixteen 8-lane registers hold neither
+// the G rows' accumulators nor G x 4 pages of scores, so one row's scores of a block (4 pages: 8
+// vectors) are taken at a time, over keys widened to f32 once per block (f32 pages are read in
+// place), and the weighted values are summed 8 columns at a time for the G rows together, the
+// accumulators kept in L1 between blocks.
+
+inline __m256 Exp256(__m256 x) {  // exp_approx on 8 lanes
+  const __m256 zero = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 fx = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(zero, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+inline __m256 Tanh256(__m256 x) {  // tanh_approx on 8 lanes
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 a = _mm256_min_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(9.0f));
+  const __m256 e = Exp256(_mm256_add_ps(a, a));
+  const __m256 t = _mm256_sub_ps(
+      _mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+  return _mm256_or_ps(t, _mm256_and_ps(sign, x));  // t >= 0: x's sign
+}
+
+// 8 cache values as f32: KIND 0 float32, 1 float16, 2 bfloat16, 3 int8 (its scale not applied).
+template <int KIND>
+inline __m256 Load8(const void* src) {
+  if constexpr (KIND == 0) {
+    return _mm256_loadu_ps(static_cast<const float*>(src));
+  } else if constexpr (KIND == 3) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(src))));
+  } else if constexpr (KIND == 1) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(src)));
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(static_cast<const __m128i*>(src))), 16));
+  }
+}
+
+// stands in for pages past the context (the largest page block: 16 slots of 128 f32 values)
+alignas(64) const float kZeroPage[16 * 128] = {};
+
+template <int G, int KIND, int D>
+void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
+  constexpr int PS = 16, kPages = 4, kSlots = kPages * PS, C = D / 8;
+  static_assert(PS * D <= 16 * 128, "a page larger than kZeroPage");
+  constexpr int64_t kEsize = KIND == 0 ? 4 : KIND == 3 ? 1 : 2;
+  constexpr bool kScaled = KIND == 3;  // int8: each slot's f32 scales (K: score, V: weight)
+  const int32_t q_start = p.cu_q_lens[w.seq];
+  const int32_t q_len = p.cu_q_lens[w.seq + 1] - q_start;
+  const int64_t pos = p.kv_lens[w.seq] - q_len + w.first_token;  // the token's position
+  const int64_t k_hi = pos + 1;  // visible keys [k_lo, k_hi)
+  const int64_t k_lo =
+      p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
+  const int64_t token = q_start + w.first_token;
+  alignas(32) float q[G][D];
+  for (int g = 0; g < G; ++g) {
+    const float* src = p.q + (token * p.num_q_heads + w.head * p.group + w.q0 + g) * D;
+    for (int d = 0; d < D; ++d) q[g][d] = src[d] * p.sm_scale;
+  }
+  alignas(32) float acc[G][D] = {};
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+  }
+  const char* kbase = static_cast<const char*>(p.k.data);
+  const char* vbase = static_cast<const char*>(p.v.data);
+  const int64_t block_bytes = D * PS * kEsize;
+  const int64_t layer_block = p.layer * p.k.num_pages;
+  const int32_t* pages = p.page_indices + static_cast<int64_t>(w.seq) * p.pages_per_seq;
+  alignas(32) char vtail[PS * D * 4];  // the last page's V, zeros past the context
+  alignas(32) float vscale_tail[PS];  // int8: its scales, zeros past the context
+  alignas(32) float kf[D][kSlots];  // the block's keys as f32 (not for a float32 cache)
+  alignas(32) float probs[G][kSlots];
+  constexpr int kLines = PS * D * kEsize / 64;  // cache lines of one page's K (or V) block
+  const bool own_fetch = w.first_reader();
+  const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t pg0 = k_lo / PS; pg0 * PS < k_hi; pg0 += kPages) {
+    const char* kp[kPages];
+    const char* vp[kPages];
+    const float* ks[kPages];  // int8: the pages' K and V scales (f32[PS] each)
+    const float* vs[kPages];
+    __m256 visible[kPages][2];  // all ones on the slots of the context the token sees
+    int used = 0;
+    for (int j = 0; j < kPages; ++j) {
+      const int64_t t0 = (pg0 + j) * PS;
+      if (t0 >= k_hi) {
+        kp[j] = vp[j] = reinterpret_cast<const char*>(kZeroPage);
+        ks[j] = vs[j] = kZeroPage;
+        visible[j][0] = visible[j][1] = _mm256_setzero_ps();
+        continue;
+      }
+      used = j + 1;
+      const int64_t block = (layer_block + pages[pg0 + j]) * p.k.num_kv_heads + w.head;
+      kp[j] = kbase + block * block_bytes;
+      vp[j] = vbase + block * block_bytes;
+      if constexpr (kScaled) {
+        ks[j] = p.k.scale + block * PS;
+        vs[j] = p.v.scale + block * PS;
+      }
+      const int lo = static_cast<int>(std::max<int64_t>(0, k_lo - t0));
+      const int hi = static_cast<int>(std::min<int64_t>(PS, k_hi - t0));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i slot = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * h));
+        const __m256i in = _mm256_andnot_si256(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(lo), slot),
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(hi), slot));  // lo <= slot < hi
+        visible[j][h] = _mm256_castsi256_ps(in);
+      }
+      if (hi < PS) {  // slots past the context may hold anything (NaN): zeros in a copy
+        std::memcpy(vtail, vp[j], hi * D * kEsize);
+        std::memset(vtail + hi * D * kEsize, 0, (PS - hi) * D * kEsize);
+        vp[j] = vtail;
+        if constexpr (kScaled) {  // a slot past the context may hold any scale (NaN too)
+          std::memcpy(vscale_tail, vs[j], hi * sizeof(float));
+          std::fill(vscale_tail + hi, vscale_tail + PS, 0.0f);
+          vs[j] = vscale_tail;
+        }
+      }
+    }
+    // The next block's pages, fetched into L2 while this one is computed, spread over the loops
+    // below (as the AVX-512 path does).
+    const char* next[2 * kPages];
+    int num_next = 0;
+    for (int j = 0; j < kPages && own_fetch; ++j) {
+      const int64_t pg = pg0 + kPages + j;
+      if (pg * PS >= k_hi) break;
+      const int64_t block = (layer_block + pages[pg]) * p.k.num_kv_heads + w.head;
+      next[num_next++] = kbase + block * block_bytes;
+      next[num_next++] = vbase + block * block_bytes;
+    }
+    if ((pg0 + kPages) * PS >= k_hi && later != nullptr && later->first_reader()) {
+      const int32_t later_q_len = p.cu_q_lens[later->seq + 1] - p.cu_q_lens[later->seq];
+      const int64_t later_pos = p.kv_lens[later->seq] - later_q_len + later->first_token;
+      const int64_t later_lo =
+          p.sliding_window > 0 ? std::max<int64_t>(0, later_pos - p.sliding_window + 1) : 0;
+      const int32_t* later_pages =
+          p.page_indices + static_cast<int64_t>(later->seq) * p.pages_per_seq;
+      for (int64_t pg = later_lo / PS; pg * PS <= later_pos && num_next < 2 * kPages; ++pg) {
+        const int64_t block = (layer_block + later_pages[pg]) * p.k.num_kv_heads + later->head;
+        next[num_next++] = kbase + block * block_bytes;
+        next[num_next++] = vbase + block * block_bytes;
+      }
+    }
+    const int num_next_pages = num_next / 2;
+    const auto fetch = [&](int k0, int k1, int half) {
+      for (int k = k0; k < k1; ++k)
+        if (k % kPages < num_next_pages)
+          _mm_prefetch(next[2 * (k % kPages) + half] + (k / kPages) * 64, _MM_HINT_T1);
+    };
+    // keys: K page j, dimension d, slots 8 h .. 8 h + 7
+    if constexpr (KIND != 0) {
+      for (int d = 0; d < D; ++d) {
+        fetch(d * kPages * kLines / D, (d + 1) * kPages * kLines / D, 0);
+        for (int j = 0; j < kPages; ++j)
+          for (int h = 0; h < 2; ++h)
+            _mm256_store_ps(kf[d] + j * PS + 8 * h, Load8<KIND>(kp[j] + (d * PS + 8 * h) * kEsize));
+      }
+    } else {
+      fetch(0, kPages * kLines, 0);
+    }
+    const auto key = [&](int d, int j, int h) {
+      if constexpr (KIND == 0) {
+        return _mm256_loadu_ps(reinterpret_cast<const float*>(kp[j]) + d * PS + 8 * h);
+      } else {
+        return _mm256_load_ps(kf[d] + j * PS + 8 * h);
+      }
+    };
+    for (int g = 0; g < G; ++g) {
+      __m256 s[kPages][2];
+      for (int j = 0; j < kPages; ++j) s[j][0] = s[j][1] = _mm256_setzero_ps();
+      for (int d = 0; d < D; ++d) {
+        const __m256 qd = _mm256_set1_ps(q[g][d]);
+        for (int j = 0; j < kPages; ++j)
+          for (int h = 0; h < 2; ++h) s[j][h] = _mm256_fmadd_ps(qd, key(d, j, h), s[j][h]);
+      }
+      __m256 mx = neg_inf;
+      for (int j = 0; j < kPages; ++j) {
+        for (int h = 0; h < 2; ++h) {
+          __m256 x = s[j][h];
+          // int8: a key's scale multiplies its score once (q . (k s) = (q . k) s)
+          if constexpr (kScaled) x = _mm256_mul_ps(x, _mm256_loadu_ps(ks[j] + 8 * h));
+          if (p.soft_cap > 0.0f) {
+            const __m256 cap = _mm256_set1_ps(p.soft_cap);
+            x = _mm256_mul_ps(cap, Tanh256(_mm256_div_ps(x, cap)));
+          }
+          x = _mm256_blendv_ps(neg_inf, x, visible[j][h]);
+          s[j][h] = x;
+          mx = _mm256_max_ps(mx, x);
+        }
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, mx);
+      float block_max = lanes[0];
+      for (int i = 1; i < 8; ++i) block_max = std::max(block_max, lanes[i]);
+      const float m_new = std::max(m[g], block_max);  // finite: a key is visible
+      const __m256 mv = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      for (int j = 0; j < kPages; ++j) {
+        for (int h = 0; h < 2; ++h) {
+          const __m256 e = Exp256(_mm256_sub_ps(s[j][h], mv));
+          sum = _mm256_add_ps(sum, e);
+          // int8: each value's weight times its slot's scale (zeros past the context)
+          __m256 weight = e;
+          if constexpr (kScaled) weight = _mm256_mul_ps(e, _mm256_loadu_ps(vs[j] + 8 * h));
+          _mm256_store_ps(probs[g] + j * PS + 8 * h, weight);
+        }
+      }
+      _mm256_store_ps(lanes, sum);
+      float block_sum = 0.0f;
+      for (int i = 0; i < 8; ++i) block_sum += lanes[i];
+      const float alpha = exp_approx(m[g] - m_new);  // 0 while m is -inf
+      l[g] = l[g] * alpha + block_sum;
+      m[g] = m_new;
+      const __m256 av = _mm256_set1_ps(alpha);
+      for (int c = 0; c < C; ++c)
+        _mm256_store_ps(acc[g] + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * c), av));
+    }
+    for (int c = 0; c < C; ++c) {
+      __m256 a[G];
+      for (int g = 0; g < G; ++g) a[g] = _mm256_load_ps(acc[g] + 8 * c);
+      for (int j = 0; j < used; ++j) {
+        if (c == 0) fetch(j * kPages * kLines / used, (j + 1) * kPages * kLines / used, 1);
+        for (int t = 0; t < PS; ++t) {
+          const __m256 v = Load8<KIND>(vp[j] + (t * D + 8 * c) * kEsize);
+          for (int g = 0; g < G; ++g)
+            a[g] = _mm256_fmadd_ps(_mm256_set1_ps(probs[g][j * PS + t]), v, a[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) _mm256_store_ps(acc[g] + 8 * c, a[g]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* dst = p.out + (token * p.num_q_heads + w.head * p.group + w.q0 + g) * D;
+    const __m256 inv = _mm256_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+    for (int c = 0; c < C; ++c)
+      _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(_mm256_load_ps(acc[g] + 8 * c), inv));
+  }
+}
+
+// items of up to 4 query heads at either head_dim (the accumulators live in L1)
+template <int KIND, int D>
+DecodeFns DecodeFnsOf() {
+  DecodeFns f;
+  f.by_heads[1] = &DecodeItem<1, KIND, D>;
+  f.by_heads[2] = &DecodeItem<2, KIND, D>;
+  f.by_heads[3] = &DecodeItem<3, KIND, D>;
+  f.by_heads[4] = &DecodeItem<4, KIND, D>;
+  f.max_heads = 4;
+  return f;
+}
+#define JAXINFER_ATTN_DECODE 1
+#endif
+
+#if defined(__AVX512F__) || defined(JAXINFER_ATTN_DECODE)
 template <int D>
 DecodeFns ChooseDecodeOf(const Problem& p) {
   switch (p.k.dtype) {
