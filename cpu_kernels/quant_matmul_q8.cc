@@ -540,7 +540,9 @@ void StoreColumns(const Problem& p, const float* out, int blocks, float* y, int6
 // 32 columns; a half's 4 rows of K interleave as the AVX-512 path's do, within 128-bit lanes:
 // vector v, dword 4 L + e holds column 16 L + 4 v + e of the half (L = 0, 1).
 constexpr int64_t kHalfCols = 32;
-constexpr int kAvx2TileRows = 3;  // 3 rows x 4 sums + 3 broadcasts fit the 16 registers
+// 2 rows: 8 sums, 2 broadcasts and a vector of codes fit the 16 registers (tiles of 3 rows
+// spilled: the 30 layers of benchmarks/cpu_matmul.py 1.3-1.5x slower at 9 and 16 rows)
+constexpr int kAvx2TileRows = 2;
 
 inline void Interleave4(__m256i a, __m256i b, __m256i c, __m256i d, __m256i* out) {
   const __m256i t0 = _mm256_unpacklo_epi8(a, b), t1 = _mm256_unpackhi_epi8(a, b);
@@ -649,7 +651,6 @@ inline void Int4Rows(const Problem& p, int64_t g, int64_t k0, int64_t chunks, co
   int64_t m0 = 0;
   for (; m0 + kAvx2TileRows <= p.m; m0 += kAvx2TileRows)
     Int4Tile<kAvx2TileRows>(p, m0, g, k0, chunks, w, scale, minimum, out, stride);
-  if (p.m - m0 == 2) Int4Tile<2>(p, m0, g, k0, chunks, w, scale, minimum, out, stride);
   if (p.m - m0 == 1) Int4Tile<1>(p, m0, g, k0, chunks, w, scale, minimum, out, stride);
 }
 
@@ -658,7 +659,6 @@ inline void Int8Rows(const Problem& p, int64_t g, int64_t k0, int64_t chunks, co
   int64_t m0 = 0;
   for (; m0 + kAvx2TileRows <= p.m; m0 += kAvx2TileRows)
     Int8Tile<kAvx2TileRows>(p, m0, g, k0, chunks, w, w_abs, scale, out, stride);
-  if (p.m - m0 == 2) Int8Tile<2>(p, m0, g, k0, chunks, w, w_abs, scale, out, stride);
   if (p.m - m0 == 1) Int8Tile<1>(p, m0, g, k0, chunks, w, w_abs, scale, out, stride);
 }
 
