@@ -30,7 +30,7 @@
 #include "quant_params.h"
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -613,6 +613,154 @@ void PanelColumns(const Problem& p, int64_t c0) {
 
 #endif
 
+#if !(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__)
+#define JAXINFER_PANEL_AVX2 1
+// The many-row path on CPUs with AVX2 and no AVX-512: as PanelColumns above, a panel of kPanelK2
+// code rows by 32 columns dequantized once into f32 buffers, then every row of x multiplied
+// against it in register tiles of 6 rows x 16 columns (12 accumulators, 2 weight vectors and a
+// broadcast of the 16 registers).
+constexpr int64_t kPanelK2 = 64;   // packed rows of codes per panel (int4: 128 values of K)
+constexpr int64_t kPanelCols = 32;
+constexpr int64_t kPanelMinRows2 = 3;
+constexpr int kTileRows2 = 6;
+
+inline __m256 Param8(const void* base, int64_t index, bool f16) {
+  if (f16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + index)));
+  }
+  return _mm256_loadu_ps(static_cast<const float*>(base) + index);
+}
+
+// w[(i - i0) * 32 + c] for packed rows i in [i0, i1): int8 rows of K, or the int4 low nibbles
+// (K rows i) in `lo` and high nibbles (K rows K/2 + i) in `hi`; columns [c0, c0 + 32).
+void DequantPanel32(const Problem& p, int64_t c0, int64_t i0, int64_t i1, float* lo, float* hi) {
+  const int64_t gs = p.group_size;
+  const bool asym = p.mins != nullptr;
+  __m256 s_lo[4], s_hi[4], o_lo[4], o_hi[4];
+  int64_t group = -1;
+  if (p.bits == 8) {
+    const int8_t* q = static_cast<const int8_t*>(p.values);
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i / gs != group) {
+        group = i / gs;
+        for (int j = 0; j < 4; ++j) s_lo[j] = Param8(p.scales, group * p.ld + c0 + 8 * j, p.f16_params);
+      }
+      if (i + kPrefetchRows < i1)
+        _mm_prefetch(reinterpret_cast<const char*>(q + (i + kPrefetchRows) * p.ld + c0), _MM_HINT_T0);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * p.ld + c0));
+      float* out = lo + (i - i0) * kPanelCols;
+      const __m128i halves[2] = {_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)};
+      for (int j = 0; j < 4; ++j) {
+        const __m128i bytes = j % 2 ? _mm_srli_si128(halves[j / 2], 8) : halves[j / 2];
+        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+        _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(w, s_lo[j]));
+      }
+    }
+    return;
+  }
+  const uint8_t* q = static_cast<const uint8_t*>(p.values);
+  const int64_t half_groups = (p.k / 2) / gs;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int64_t i = i0; i < i1; ++i) {
+    if (i / gs != group) {
+      group = i / gs;
+      for (int j = 0; j < 4; ++j) {
+        const int64_t col = c0 + 8 * j;
+        s_lo[j] = Param8(p.scales, group * p.ld + col, p.f16_params);
+        s_hi[j] = Param8(p.scales, (group + half_groups) * p.ld + col, p.f16_params);
+        // asymmetric: w = q s + min; symmetric: w = (q - 8) s = q s - 8 s (both exact in f32)
+        o_lo[j] = asym ? Param8(p.mins, group * p.ld + col, p.f16_params)
+                       : _mm256_mul_ps(s_lo[j], _mm256_set1_ps(-8.0f));
+        o_hi[j] = asym ? Param8(p.mins, (group + half_groups) * p.ld + col, p.f16_params)
+                       : _mm256_mul_ps(s_hi[j], _mm256_set1_ps(-8.0f));
+      }
+    }
+    const uint8_t* row = q + i * p.ld + c0;
+    if (i + kPrefetchRows < i1)
+      _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchRows * p.ld), _MM_HINT_T0);
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+    const __m256i l = _mm256_and_si256(v, low4);
+    const __m256i u = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    const __m128i lh[2] = {_mm256_castsi256_si128(l), _mm256_extracti128_si256(l, 1)};
+    const __m128i uh[2] = {_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)};
+    float* out_lo = lo + (i - i0) * kPanelCols;
+    float* out_hi = hi + (i - i0) * kPanelCols;
+    for (int j = 0; j < 4; ++j) {
+      const __m128i lb = j % 2 ? _mm_srli_si128(lh[j / 2], 8) : lh[j / 2];
+      const __m128i ub = j % 2 ? _mm_srli_si128(uh[j / 2], 8) : uh[j / 2];
+      _mm256_storeu_ps(out_lo + 8 * j,
+                       _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lb)), s_lo[j], o_lo[j]));
+      _mm256_storeu_ps(out_hi + 8 * j,
+                       _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ub)), s_hi[j], o_hi[j]));
+    }
+  }
+}
+
+// y[m0 .. m0 + R, c0 .. c0 + 16] (+)= x[rows, K values of the panel] @ the panel's 16 columns
+// from `half` (lo / hi: the panel's buffers at that column offset).
+template <int R>
+void PanelTile16(const Problem& p, int64_t m0, int64_t c0, const float* lo, const float* hi,
+                 int64_t k_lo, int64_t k_hi, int64_t rows, bool first) {
+  __m256 acc[R][2];
+  float* y = p.y + m0 * p.n + c0;
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j)
+      acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * p.n + 8 * j);
+  const float* x = p.x + m0 * p.k;
+  for (int64_t i = 0; i < rows; ++i) {
+    const __m256 w0 = _mm256_loadu_ps(lo + i * kPanelCols), w1 = _mm256_loadu_ps(lo + i * kPanelCols + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * p.k + k_lo + i);
+      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  }
+  if (hi != nullptr) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const __m256 w0 = _mm256_loadu_ps(hi + i * kPanelCols), w1 = _mm256_loadu_ps(hi + i * kPanelCols + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * p.k + k_hi + i);
+        acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) _mm256_storeu_ps(y + r * p.n + 8 * j, acc[r][j]);
+}
+
+// Columns [c0, c0 + 32) of y for every row, panel by panel.
+void PanelColumns32(const Problem& p, int64_t c0) {
+  alignas(32) float lo[kPanelK2 * kPanelCols];
+  alignas(32) float hi[kPanelK2 * kPanelCols];
+  const bool int4 = p.bits == 4;
+  const int64_t packed_rows = int4 ? p.k / 2 : p.k;
+  for (int64_t i0 = 0; i0 < packed_rows; i0 += kPanelK2) {
+    const int64_t i1 = std::min(packed_rows, i0 + kPanelK2);
+    DequantPanel32(p, c0, i0, i1, lo, hi);
+    const int64_t k_hi = int4 ? p.k / 2 + i0 : 0;
+    const bool first = i0 == 0;
+    for (int half = 0; half < 2; ++half) {
+      const float* l = lo + 16 * half;
+      const float* h = int4 ? hi + 16 * half : nullptr;
+      const int64_t c = c0 + 16 * half;
+      int64_t m0 = 0;
+      for (; m0 + kTileRows2 <= p.m; m0 += kTileRows2)
+        PanelTile16<kTileRows2>(p, m0, c, l, h, i0, k_hi, i1 - i0, first);
+      switch (p.m - m0) {
+        case 5: PanelTile16<5>(p, m0, c, l, h, i0, k_hi, i1 - i0, first); break;
+        case 4: PanelTile16<4>(p, m0, c, l, h, i0, k_hi, i1 - i0, first); break;
+        case 3: PanelTile16<3>(p, m0, c, l, h, i0, k_hi, i1 - i0, first); break;
+        case 2: PanelTile16<2>(p, m0, c, l, h, i0, k_hi, i1 - i0, first); break;
+        case 1: PanelTile16<1>(p, m0, c, l, h, i0, k_hi, i1 - i0, first); break;
+        default: break;
+      }
+    }
+  }
+}
+#endif
+
 template <int R>
 void Block(const Problem& p, int64_t m0, int64_t c0) {
   if (p.bits == 8) {
@@ -637,6 +785,10 @@ void RunItem(const Problem& p, int64_t c0, int64_t c1) {
     for (; m0 < p.m; ++m0) {
       if (p.bits == 8) Int8BlockAvx512<1>(p, m0, c); else Int4BlockAvx512<1>(p, m0, c);
     }
+  }
+#elif defined(JAXINFER_PANEL_AVX2)
+  if (p.m >= kPanelMinRows2) {
+    for (; c + kPanelCols <= c1; c += kPanelCols) PanelColumns32(p, c);
   }
 #endif
   for (; c < c1; c += kCols) {

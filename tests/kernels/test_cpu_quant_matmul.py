@@ -285,3 +285,15 @@ def test_columns_beyond_the_rows_are_refused():
     qw = quant.quantize_int8(_weight(64, 128), 32)
     with pytest.raises(ValueError, match="columns"):
         quant_matmul(jnp.ones((1, 64)), qw.values, qw.scales, bits=8, group_size=32, columns=192)
+
+
+def test_the_rows_above_which_a_dense_matmul_takes_over_follow_the_cpu(monkeypatch):
+    from cpu_kernels import build
+    from cpu_kernels import quant_matmul as cpu_quant
+
+    monkeypatch.setattr(build, "cpu_flags", lambda: "fpu fma avx2 avx512f avx512bw")
+    assert cpu_quant.dense_faster_above_rows() is None  # the AVX-512 panels win at every size
+    monkeypatch.setattr(build, "cpu_flags", lambda: "fpu fma avx2")
+    assert cpu_quant.dense_faster_above_rows() == 96  # the AVX2 panels, to ~128 rows
+    monkeypatch.setattr(build, "cpu_flags", lambda: "fpu sse4_2")
+    assert cpu_quant.dense_faster_above_rows() == 16  # plain loops
