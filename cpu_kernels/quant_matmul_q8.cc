@@ -38,7 +38,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define JAXINFER_Q8_VNNI 1
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__)
 #define JAXINFER_Q8_AVX2 1
 #endif
 

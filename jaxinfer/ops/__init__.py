@@ -48,9 +48,9 @@ from pallas_kernels.ragged_paged_attention import \
 
 BACKENDS: tuple[str, ...] = typing.get_args(Backend)
 # A quantized matmul on the "cpu" backend reads the packed weight in the C++ kernel; without
-# AVX-512 only up to this many rows of x (a memory-bound product of a decode step), above which
-# the weight is dequantized for XLA's dense matmul, or its float copy used where the layer keeps
-# one (cpu_quant.dense_faster_above_rows: docs/performance.md).
+# AVX-512 only up to this many rows of x (a memory-bound product of a decode step), or
+# cpu_quant.dense_faster_above_rows() where that is more, above which the weight is dequantized
+# for XLA's dense matmul, or its float copy used where the layer keeps one (docs/performance.md).
 CPU_QUANT_KERNEL_MAX_ROWS = 64
 
 
@@ -262,7 +262,7 @@ def _quantized_matmul_local(x: jax.Array, qweight: QuantizedWeight, dense: jax.A
     if backend == "cpu" and qweight.values.ndim == 2 and rows is not None:
         q = qweight
         try:
-            if dense_above is None or rows.shape[0] <= CPU_QUANT_KERNEL_MAX_ROWS:
+            if dense_above is None or rows.shape[0] <= max(CPU_QUANT_KERNEL_MAX_ROWS, dense_above):
                 y = cpu_quant.quant_matmul(rows, q.values, q.scales, q.mins, bits=q.bits,
                                            group_size=q.group_size, num_rows=num_rows, columns=n)
             else:

@@ -297,3 +297,24 @@ def test_the_rows_above_which_a_dense_matmul_takes_over_follow_the_cpu(monkeypat
     assert cpu_quant.dense_faster_above_rows() == 96  # the AVX2 panels, to ~128 rows
     monkeypatch.setattr(build, "cpu_flags", lambda: "fpu sse4_2")
     assert cpu_quant.dense_faster_above_rows() == 16  # plain loops
+
+
+def test_without_a_float_copy_the_kernel_takes_every_row_count_it_beats_dense_at(monkeypatch):
+    """No float copy kept (quantization other than auto): rows up to the kernel's crossover with
+    a dense matmul read the codes; beyond it the weight is dequantized for XLA's matmul."""
+    from cpu_kernels import quant_matmul as cpu_quant
+    from jaxinfer import ops
+
+    qw = quant.quantize_int4(_weight(128, 64), 32, symmetric=False)
+    dequantized = []
+    real_dequantize = cpu_quant.dequantize
+    monkeypatch.setattr(cpu_quant, "dequantize",
+                        lambda *a, **kw: dequantized.append(1) or real_dequantize(*a, **kw))
+    monkeypatch.setattr(cpu_quant, "dense_faster_above_rows", lambda: 96)
+    for rows, expect_dequantized in ((80, 0), (97, 1)):
+        dequantized.clear()
+        x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 128)), jnp.float32)
+        y = ops.quantized_matmul(x, qw, backend="cpu")
+        ref = quant_matmul_reference(x, qw.values, qw.scales, qw.mins, bits=4, group_size=32)
+        assert float(jnp.abs(y - ref).max() / jnp.abs(ref).max()) < TOL
+        assert len(dequantized) == expect_dequantized
