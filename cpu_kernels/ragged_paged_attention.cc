@@ -287,6 +287,55 @@ PageBlockFn ChoosePageBlock(int64_t page_size, int64_t head_dim) {
   return &PageBlock<0, 0>;
 }
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+// What a decode item fetches while it computes the block of kPages pages from pg0: its own next
+// block's pages, and on its last block the first pages of `later` (the item its thread takes
+// next) where that item is the first to read them. Only the first reader of a sequence's pages
+// fetches (a later token's item finds them cached).
+template <int kPages, int PS>
+struct NextPages {
+  const char* next[2 * kPages];  // K and V blocks of each page
+  int num_pages = 0;
+
+  NextPages(const Problem& p, const WorkItem& w, const WorkItem* later, int64_t pg0, int64_t k_hi,
+            const char* kbase, const char* vbase, int64_t block_bytes) {
+    const int64_t layer_block = p.layer * p.k.num_pages;
+    const int32_t* pages = p.page_indices + static_cast<int64_t>(w.seq) * p.pages_per_seq;
+    int num_next = 0;
+    for (int j = 0; j < kPages && w.first_reader(); ++j) {
+      const int64_t pg = pg0 + kPages + j;
+      if (pg * PS >= k_hi) break;
+      const int64_t block = (layer_block + pages[pg]) * p.k.num_kv_heads + w.head;
+      next[num_next++] = kbase + block * block_bytes;
+      next[num_next++] = vbase + block * block_bytes;
+    }
+    // the last block: the next item's first one
+    if ((pg0 + kPages) * PS >= k_hi && later != nullptr && later->first_reader()) {
+      const int32_t later_q_len = p.cu_q_lens[later->seq + 1] - p.cu_q_lens[later->seq];
+      const int64_t later_pos = p.kv_lens[later->seq] - later_q_len + later->first_token;
+      const int64_t later_lo =
+          p.sliding_window > 0 ? std::max<int64_t>(0, later_pos - p.sliding_window + 1) : 0;
+      const int32_t* later_pages =
+          p.page_indices + static_cast<int64_t>(later->seq) * p.pages_per_seq;
+      for (int64_t pg = later_lo / PS; pg * PS <= later_pos && num_next < 2 * kPages; ++pg) {
+        const int64_t block = (layer_block + later_pages[pg]) * p.k.num_kv_heads + later->head;
+        next[num_next++] = kbase + block * block_bytes;
+        next[num_next++] = vbase + block * block_bytes;
+      }
+    }
+    num_pages = num_next / 2;
+  }
+
+  // lines [k0, k1) of the next pages' K (half 0) or V (half 1) blocks: line k is page
+  // k % kPages, line k / kPages
+  void Fetch(int k0, int k1, int half) const {
+    for (int k = k0; k < k1; ++k)
+      if (k % kPages < num_pages)
+        _mm_prefetch(next[2 * (k % kPages) + half] + (k / kPages) * 64, _MM_HINT_T1);
+  }
+};
+#endif
+
 #if defined(__AVX512F__)
 // Decode items (one token: the G query heads of a KV head, G <= 4 at head_dim 64, G <= 2 at 128)
 // with page size 16 take a path in AVX-512 registers. The G rows' accumulators ([G, D] floats:
@@ -380,7 +429,6 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
   alignas(64) float vscale_tail[PS];  // int8: its scales, zeros past the context
   alignas(64) float probs[G][kPages * PS];
   constexpr int kLines = PS * D * kEsize / 64;  // cache lines of one page's K (or V) block
-  const bool own_fetch = w.first_reader();
   const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t pg0 = k_lo / PS; pg0 * PS < k_hi; pg0 += kPages) {
     const char* kp[kPages];
@@ -424,36 +472,8 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
     // (L2 takes more misses at once than L1, and a burst of them stalls the loop it sits in:
     // all lines in the first half of the scores' loop took 1.3x as long over 16 x 512 tokens,
     // f16). An item of a sequence's later token finds its pages cached by the first token's.
-    const char* next[2 * kPages];
-    int num_next = 0;
-    for (int j = 0; j < kPages && own_fetch; ++j) {
-      const int64_t pg = pg0 + kPages + j;
-      if (pg * PS >= k_hi) break;
-      const int64_t block = (layer_block + pages[pg]) * p.k.num_kv_heads + w.head;
-      next[num_next++] = kbase + block * block_bytes;
-      next[num_next++] = vbase + block * block_bytes;
-    }
-    // the last block: the next item's first one
-    if ((pg0 + kPages) * PS >= k_hi && later != nullptr && later->first_reader()) {
-      const int32_t later_q_len = p.cu_q_lens[later->seq + 1] - p.cu_q_lens[later->seq];
-      const int64_t later_pos = p.kv_lens[later->seq] - later_q_len + later->first_token;
-      const int64_t later_lo =
-          p.sliding_window > 0 ? std::max<int64_t>(0, later_pos - p.sliding_window + 1) : 0;
-      const int32_t* later_pages =
-          p.page_indices + static_cast<int64_t>(later->seq) * p.pages_per_seq;
-      for (int64_t pg = later_lo / PS; pg * PS <= later_pos && num_next < 2 * kPages; ++pg) {
-        const int64_t block = (layer_block + later_pages[pg]) * p.k.num_kv_heads + later->head;
-        next[num_next++] = kbase + block * block_bytes;
-        next[num_next++] = vbase + block * block_bytes;
-      }
-    }
-    const int num_next_pages = num_next / 2;
-    // line k of the next pages' K (half 0) or V (half 1) blocks: page k % kPages, line k / kPages
-    const auto fetch = [&](int k0, int k1, int half) {
-      for (int k = k0; k < k1; ++k)
-        if (k % kPages < num_next_pages)
-          _mm_prefetch(next[2 * (k % kPages) + half] + (k / kPages) * 64, _MM_HINT_T1);
-    };
+    const NextPages<kPages, PS> ahead(p, w, later, pg0, k_hi, kbase, vbase, block_bytes);
+    const auto fetch = [&](int k0, int k1, int half) { ahead.Fetch(k0, k1, half); };
     __m512 s[G][kPages];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < kPages; ++j) s[g][j] = _mm512_setzero_ps();
@@ -635,7 +655,6 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
   alignas(32) float kf[D][kSlots];  // the block's keys as f32 (not for a float32 cache)
   alignas(32) float probs[G][kSlots];
   constexpr int kLines = PS * D * kEsize / 64;  // cache lines of one page's K (or V) block
-  const bool own_fetch = w.first_reader();
   const __m256 neg_inf = _mm256_set1_ps(-INFINITY);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t pg0 = k_lo / PS; pg0 * PS < k_hi; pg0 += kPages) {
@@ -683,34 +702,8 @@ void DecodeItem(const Problem& p, const WorkItem& w, const WorkItem* later) {
     }
     // The next block's pages, fetched into L2 while this one is computed, spread over the loops
     // below (as the AVX-512 path does).
-    const char* next[2 * kPages];
-    int num_next = 0;
-    for (int j = 0; j < kPages && own_fetch; ++j) {
-      const int64_t pg = pg0 + kPages + j;
-      if (pg * PS >= k_hi) break;
-      const int64_t block = (layer_block + pages[pg]) * p.k.num_kv_heads + w.head;
-      next[num_next++] = kbase + block * block_bytes;
-      next[num_next++] = vbase + block * block_bytes;
-    }
-    if ((pg0 + kPages) * PS >= k_hi && later != nullptr && later->first_reader()) {
-      const int32_t later_q_len = p.cu_q_lens[later->seq + 1] - p.cu_q_lens[later->seq];
-      const int64_t later_pos = p.kv_lens[later->seq] - later_q_len + later->first_token;
-      const int64_t later_lo =
-          p.sliding_window > 0 ? std::max<int64_t>(0, later_pos - p.sliding_window + 1) : 0;
-      const int32_t* later_pages =
-          p.page_indices + static_cast<int64_t>(later->seq) * p.pages_per_seq;
-      for (int64_t pg = later_lo / PS; pg * PS <= later_pos && num_next < 2 * kPages; ++pg) {
-        const int64_t block = (layer_block + later_pages[pg]) * p.k.num_kv_heads + later->head;
-        next[num_next++] = kbase + block * block_bytes;
-        next[num_next++] = vbase + block * block_bytes;
-      }
-    }
-    const int num_next_pages = num_next / 2;
-    const auto fetch = [&](int k0, int k1, int half) {
-      for (int k = k0; k < k1; ++k)
-        if (k % kPages < num_next_pages)
-          _mm_prefetch(next[2 * (k % kPages) + half] + (k / kPages) * 64, _MM_HINT_T1);
-    };
+    const NextPages<kPages, PS> ahead(p, w, later, pg0, k_hi, kbase, vbase, block_bytes);
+    const auto fetch = [&](int k0, int k1, int half) { ahead.Fetch(k0, k1, half); };
     // keys: K page j, dimension d, slots 8 h .. 8 h + 7
     if constexpr (KIND != 0) {
       for (int d = 0; d < D; ++d) {
