@@ -17,7 +17,8 @@
 // takes the rows of x kRows at a time, so a block of the weight is streamed from memory once
 // and reused from cache for the other row blocks. One row of x is cut differently (OneRow):
 // into blocks of up to 4096 columns, each walked forward row by row, and where that makes too
-// few items, into ranges of the code rows too, each summed into its own partial row. It is
+// few items, into ranges of the code rows too, each summed into its own partial row (on a CPU
+// with AVX2 and no AVX-512, one or two rows: FewRows, the codes widened from memory). It is
 // meant for the few rows of a decode step (a memory-bound product); many rows are faster
 // through a dense matmul.
 
@@ -759,6 +760,179 @@ void PanelColumns32(const Problem& p, int64_t c0) {
     }
   }
 }
+
+// A product of one or two rows on AVX2 (a decode step's few sequences, memory-bound): the codes
+// are widened in registers straight from memory, 8 columns a load (vpmovzxbd / vpmovsxbd), and
+// multiplied into every row's accumulators, which stay in registers across a group's rows; the
+// group's scale (and minimum, times the group's sum of x) is applied once per column. Work is cut
+// as OneRow cuts it: ranges of columns no wider than kFewBlockCols, each walked forward row by
+// row with the codes prefetched ahead of the reads, and where that makes too few items, ranges
+// of the code rows too, each summed into its own partial result.
+constexpr int kFewRowsMax2 = 2;
+constexpr int64_t kFewBlockCols = 4096;
+constexpr int64_t kFewMinPartRows = 64;     // code rows per row range at least (two groups of 32)
+constexpr int64_t kFewAheadCols = 128;  // prefetch distance, in the order the codes are read
+constexpr int64_t kLine = 64;           // bytes of codes a prefetch brings (a cache line)
+
+// Where a segment's prefetches go: the codes kFewAheadCols further along the order in which
+// the item reads them (within a group's rows 32 columns after 32, then the next group's rows),
+// row by row: `base` for the segment's first row, nothing for rows from `rows` on.
+struct FewPrefetch {
+  const uint8_t* base = nullptr;
+  int64_t ld = 0, rows = 0;
+
+  void At(int64_t i) const {  // i: the row within the segment
+    if (base != nullptr && i < rows) _mm_prefetch(reinterpret_cast<const char*>(base + i * ld), _MM_HINT_T0);
+  }
+};
+
+// Code rows [a, b) of half-group g (low nibbles: rows of K in group g; high nibbles: group
+// g + K/2/gs), columns [c, c + 8 J) of R rows of x, added into part[r * part_ld + column].
+template <int R, int J>
+void Int4FewSegment(const Problem& p, int64_t c, int64_t a, int64_t b, int64_t g, float* part,
+                    int64_t part_ld, const FewPrefetch& ahead) {
+  const uint8_t* q = static_cast<const uint8_t*>(p.values);
+  const int64_t kh = p.k / 2, half_groups = kh / p.group_size;
+  const __m256i low4 = _mm256_set1_epi32(15);
+  __m256 acc_lo[R][J], acc_hi[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) acc_lo[r][j] = acc_hi[r][j] = _mm256_setzero_ps();
+  float sum_lo[R] = {}, sum_hi[R] = {};
+  for (int64_t i = a; i < b; ++i) {
+    const uint8_t* row = q + i * p.ld + c;
+    ahead.At(i - a);
+    __m256 xl[R], xh[R];
+    for (int r = 0; r < R; ++r) {
+      const float l = p.x[r * p.k + i], h = p.x[r * p.k + kh + i];
+      sum_lo[r] += l;
+      sum_hi[r] += h;
+      xl[r] = _mm256_set1_ps(l);
+      xh[r] = _mm256_set1_ps(h);
+    }
+    for (int j = 0; j < J; ++j) {
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * j)));
+      const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
+      const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+      for (int r = 0; r < R; ++r) {
+        acc_lo[r][j] = _mm256_fmadd_ps(xl[r], lo, acc_lo[r][j]);
+        acc_hi[r][j] = _mm256_fmadd_ps(xh[r], hi, acc_hi[r][j]);
+      }
+    }
+  }
+  const bool asym = p.mins != nullptr;
+  const int64_t g_hi = g + half_groups;
+  for (int j = 0; j < J; ++j) {
+    const int64_t col = c + 8 * j;
+    const __m256 s_lo = Param8(p.scales, g * p.ld + col, p.f16_params);
+    const __m256 s_hi = Param8(p.scales, g_hi * p.ld + col, p.f16_params);
+    // asymmetric: w = q s + min; symmetric: w = (q - 8) s = q s - 8 s
+    const __m256 o_lo = asym ? Param8(p.mins, g * p.ld + col, p.f16_params)
+                             : _mm256_mul_ps(s_lo, _mm256_set1_ps(-8.0f));
+    const __m256 o_hi = asym ? Param8(p.mins, g_hi * p.ld + col, p.f16_params)
+                             : _mm256_mul_ps(s_hi, _mm256_set1_ps(-8.0f));
+    for (int r = 0; r < R; ++r) {
+      float* dst = part + r * part_ld + col;
+      __m256 o = _mm256_fmadd_ps(acc_lo[r][j], s_lo, _mm256_loadu_ps(dst));
+      o = _mm256_fmadd_ps(_mm256_set1_ps(sum_lo[r]), o_lo, o);
+      o = _mm256_fmadd_ps(acc_hi[r][j], s_hi, o);
+      _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_set1_ps(sum_hi[r]), o_hi, o));
+    }
+  }
+}
+
+// The same for int8 codes: rows [a, b) of group g.
+template <int R, int J>
+void Int8FewSegment(const Problem& p, int64_t c, int64_t a, int64_t b, int64_t g, float* part,
+                    int64_t part_ld, const FewPrefetch& ahead) {
+  const int8_t* q = static_cast<const int8_t*>(p.values);
+  __m256 acc[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t i = a; i < b; ++i) {
+    const int8_t* row = q + i * p.ld + c;
+    ahead.At(i - a);
+    __m256 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_set1_ps(p.x[r * p.k + i]);
+    for (int j = 0; j < J; ++j) {
+      const __m256 w = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * j))));
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(xv[r], w, acc[r][j]);
+    }
+  }
+  for (int j = 0; j < J; ++j) {
+    const int64_t col = c + 8 * j;
+    const __m256 s = Param8(p.scales, g * p.ld + col, p.f16_params);
+    for (int r = 0; r < R; ++r) {
+      float* dst = part + r * part_ld + col;
+      _mm256_storeu_ps(dst, _mm256_fmadd_ps(acc[r][j], s, _mm256_loadu_ps(dst)));
+    }
+  }
+}
+
+// Code rows [r0, r1), columns [c0, c1) of R rows of x, added into `part`: group by group, and
+// within a group 32 columns (16 for two int4 rows) at a time over the group's rows.
+template <int R>
+void FewRange(const Problem& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float* part,
+              int64_t part_ld) {
+  const uint8_t* codes = static_cast<const uint8_t*>(p.values);
+  constexpr int J4 = R == 1 ? 4 : 2;  // 8 accumulators of 8 columns: lo and hi halves per row
+  constexpr int J8 = 4;
+  const int64_t width = c1 - c0, cols = 8 * (p.bits == 4 ? J4 : J8);
+  for (int64_t a = r0; a < r1;) {
+    const int64_t g = a / p.group_size, b = std::min(r1, (g + 1) * p.group_size);
+    for (int64_t c = c0; c < c1; c += cols) {
+      FewPrefetch ahead;
+      if ((c - c0) % kLine == 0) {  // one prefetch a row for each cache line of codes
+        int64_t col = c + kFewAheadCols, row = a;
+        if (col >= c1) {  // past the block: the next group's rows
+          col = width > kFewAheadCols ? col - width : c;
+          row = b;
+        }
+        ahead = {codes + row * p.ld + col, p.ld, r1 - row};
+      }
+      if (p.bits == 4) Int4FewSegment<R, J4>(p, c, a, b, g, part, part_ld, ahead);
+      else Int8FewSegment<R, J8>(p, c, a, b, g, part, part_ld, ahead);
+    }
+    a = b;
+  }
+}
+
+// y = x @ W for 1 .. kFewRowsMax2 rows of x (N a multiple of 32): each work item sums its range
+// of code rows over its columns into its own partial result [M, N]; those are added at the end.
+void FewRows(const Problem& p, ffi::ThreadPool& pool) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t rows = p.bits == 4 ? p.k / 2 : p.k, chunks = p.n / kCols;
+  const int64_t narrow_blocks = (p.n + kFewBlockCols - 1) / kFewBlockCols;
+  const int64_t parts = narrow_blocks >= 4 * threads
+                            ? 1
+                            : std::max<int64_t>(1, std::min(threads, rows / kFewMinPartRows));
+  int64_t col_blocks = std::min(chunks, std::max(narrow_blocks, (threads + parts - 1) / parts));
+  const int64_t block_cols = (chunks + col_blocks - 1) / col_blocks * kCols;
+  col_blocks = (p.n + block_cols - 1) / block_cols;
+  const int64_t size = p.m * p.n;
+  std::vector<float> scratch;
+  float* out = p.y;  // [parts, M, N]; a single partial result is y itself
+  if (parts == 1) {
+    std::memset(p.y, 0, size * sizeof(float));
+  } else {
+    scratch.assign(parts * size, 0.0f);
+    out = scratch.data();
+  }
+  jaxinfer::ParallelFor(pool, parts * col_blocks, p.m * p.k * p.n, [&](int64_t item) {
+    const int64_t part = item / col_blocks, block = item % col_blocks;
+    const int64_t c0 = block * block_cols, c1 = std::min(p.n, c0 + block_cols);
+    const int64_t r0 = rows * part / parts, r1 = rows * (part + 1) / parts;
+    float* dst = out + part * size;
+    if (p.m == 1) FewRange<1>(p, r0, r1, c0, c1, dst, p.n);
+    else FewRange<2>(p, r0, r1, c0, c1, dst, p.n);
+  });
+  if (parts == 1) return;
+  for (int64_t e = 0; e < size; e += 8) {
+    __m256 o = _mm256_loadu_ps(out + e);
+    for (int64_t i = 1; i < parts; ++i) o = _mm256_add_ps(o, _mm256_loadu_ps(out + i * size + e));
+    _mm256_storeu_ps(p.y + e, o);
+  }
+}
 #endif
 
 template <int R>
@@ -831,6 +1005,12 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if (p.m == 1 && p.n % kWideCols == 0) {
     OneRow(p, pool);
+    return ffi::Error::Success();
+  }
+#endif
+#if defined(JAXINFER_PANEL_AVX2)
+  if (p.m <= kFewRowsMax2) {
+    FewRows(p, pool);
     return ffi::Error::Success();
   }
 #endif
