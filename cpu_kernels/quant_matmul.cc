@@ -761,14 +761,16 @@ void PanelColumns32(const Problem& p, int64_t c0) {
   }
 }
 
-// A product of one or two rows on AVX2 (a decode step's few sequences, memory-bound): the codes
-// are widened in registers straight from memory, 8 columns a load (vpmovzxbd / vpmovsxbd), and
-// multiplied into every row's accumulators, which stay in registers across a group's rows; the
-// group's scale (and minimum, times the group's sum of x) is applied once per column. Work is cut
-// as OneRow cuts it: ranges of columns no wider than kFewBlockCols, each walked forward row by
-// row with the codes prefetched ahead of the reads, and where that makes too few items, ranges
-// of the code rows too, each summed into its own partial result.
+// A product of one or two rows on AVX2 (of int8 codes up to four; a decode step's few
+// sequences, memory-bound): the codes are widened in registers straight from memory, 8 columns
+// a load (vpmovzxbd / vpmovsxbd), and multiplied into every row's accumulators, which stay in
+// registers across a group's rows; the group's scale (and minimum, times the group's sum of x)
+// is applied once per column. Work is cut as OneRow cuts it: ranges of columns no wider than
+// kFewBlockCols, each walked forward row by row with the codes prefetched ahead of the reads,
+// and where that makes too few items, ranges of the code rows too, each summed into its own
+// partial result.
 constexpr int kFewRowsMax2 = 2;
+constexpr int kFewRowsMax2Int8 = 4;  // int8 codes: no nibbles to split, 2 columns' accumulators a row
 constexpr int64_t kFewBlockCols = 4096;
 constexpr int64_t kFewMinPartRows = 64;     // code rows per row range at least (two groups of 32)
 constexpr int64_t kFewAheadCols = 128;  // prefetch distance, in the order the codes are read
@@ -876,7 +878,7 @@ void FewRange(const Problem& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1, 
               int64_t part_ld) {
   const uint8_t* codes = static_cast<const uint8_t*>(p.values);
   constexpr int J4 = R == 1 ? 4 : 2;  // 8 accumulators of 8 columns: lo and hi halves per row
-  constexpr int J8 = 4;
+  constexpr int J8 = R <= 2 ? 4 : 2;
   const int64_t width = c1 - c0, cols = 8 * (p.bits == 4 ? J4 : J8);
   for (int64_t a = r0; a < r1;) {
     const int64_t g = a / p.group_size, b = std::min(r1, (g + 1) * p.group_size);
@@ -897,7 +899,7 @@ void FewRange(const Problem& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1, 
   }
 }
 
-// y = x @ W for 1 .. kFewRowsMax2 rows of x (N a multiple of 32): each work item sums its range
+// y = x @ W for 1 .. kFewRowsMax2 rows of x (of int8 codes: kFewRowsMax2Int8; N a multiple of 32): each work item sums its range
 // of code rows over its columns into its own partial result [M, N]; those are added at the end.
 void FewRows(const Problem& p, ffi::ThreadPool& pool) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -923,8 +925,12 @@ void FewRows(const Problem& p, ffi::ThreadPool& pool) {
     const int64_t c0 = block * block_cols, c1 = std::min(p.n, c0 + block_cols);
     const int64_t r0 = rows * part / parts, r1 = rows * (part + 1) / parts;
     float* dst = out + part * size;
-    if (p.m == 1) FewRange<1>(p, r0, r1, c0, c1, dst, p.n);
-    else FewRange<2>(p, r0, r1, c0, c1, dst, p.n);
+    switch (p.m) {
+      case 1: FewRange<1>(p, r0, r1, c0, c1, dst, p.n); break;
+      case 2: FewRange<2>(p, r0, r1, c0, c1, dst, p.n); break;
+      case 3: FewRange<3>(p, r0, r1, c0, c1, dst, p.n); break;
+      default: FewRange<4>(p, r0, r1, c0, c1, dst, p.n); break;
+    }
   });
   if (parts == 1) return;
   for (int64_t e = 0; e < size; e += 8) {
@@ -1009,7 +1015,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   }
 #endif
 #if defined(JAXINFER_PANEL_AVX2)
-  if (p.m <= kFewRowsMax2) {
+  if (p.m <= (p.bits == 8 ? kFewRowsMax2Int8 : kFewRowsMax2)) {
     FewRows(p, pool);
     return ffi::Error::Success();
   }
