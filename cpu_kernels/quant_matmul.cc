@@ -761,16 +761,14 @@ void PanelColumns32(const Problem& p, int64_t c0) {
   }
 }
 
-// A product of one or two rows on AVX2 (of int8 codes up to four; a decode step's few
-// sequences, memory-bound): the codes are widened in registers straight from memory, 8 columns
-// a load (vpmovzxbd / vpmovsxbd), and multiplied into every row's accumulators, which stay in
-// registers across a group's rows; the group's scale (and minimum, times the group's sum of x)
-// is applied once per column. Work is cut as OneRow cuts it: ranges of columns no wider than
-// kFewBlockCols, each walked forward row by row with the codes prefetched ahead of the reads,
-// and where that makes too few items, ranges of the code rows too, each summed into its own
-// partial result.
-constexpr int kFewRowsMax2 = 2;
-constexpr int kFewRowsMax2Int8 = 4;  // int8 codes: no nibbles to split, 2 columns' accumulators a row
+// A product of one to four rows on AVX2 (a decode step's few sequences, memory-bound): the
+// codes are widened in registers straight from memory, 8 columns a load (vpmovzxbd /
+// vpmovsxbd), and multiplied into every row's accumulators, which stay in registers across a
+// group's rows; the group's scale (and minimum, times the group's sum of x) is applied once per
+// column. Work is cut as OneRow cuts it: ranges of columns no wider than kFewBlockCols, each
+// walked forward row by row with the codes prefetched ahead of the reads, and where that makes
+// too few items, ranges of the code rows too, each summed into its own partial result.
+constexpr int kFewRowsMax2 = 4;
 constexpr int64_t kFewBlockCols = 4096;
 constexpr int64_t kFewMinPartRows = 64;     // code rows per row range at least (two groups of 32)
 constexpr int64_t kFewAheadCols = 128;  // prefetch distance, in the order the codes are read
@@ -790,7 +788,7 @@ struct FewPrefetch {
 
 // Code rows [a, b) of half-group g (low nibbles: rows of K in group g; high nibbles: group
 // g + K/2/gs), columns [c, c + 8 J) of R rows of x, added into part[r * part_ld + column].
-template <int R, int J>
+template <int R, int J, int HALF = 0>  // HALF 1 / 2: the low / high nibbles only
 void Int4FewSegment(const Problem& p, int64_t c, int64_t a, int64_t b, int64_t g, float* part,
                     int64_t part_ld, const FewPrefetch& ahead) {
   const uint8_t* q = static_cast<const uint8_t*>(p.values);
@@ -816,8 +814,8 @@ void Int4FewSegment(const Problem& p, int64_t c, int64_t a, int64_t b, int64_t g
       const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
       const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
       for (int r = 0; r < R; ++r) {
-        acc_lo[r][j] = _mm256_fmadd_ps(xl[r], lo, acc_lo[r][j]);
-        acc_hi[r][j] = _mm256_fmadd_ps(xh[r], hi, acc_hi[r][j]);
+        if (HALF != 2) acc_lo[r][j] = _mm256_fmadd_ps(xl[r], lo, acc_lo[r][j]);
+        if (HALF != 1) acc_hi[r][j] = _mm256_fmadd_ps(xh[r], hi, acc_hi[r][j]);
       }
     }
   }
@@ -834,10 +832,16 @@ void Int4FewSegment(const Problem& p, int64_t c, int64_t a, int64_t b, int64_t g
                              : _mm256_mul_ps(s_hi, _mm256_set1_ps(-8.0f));
     for (int r = 0; r < R; ++r) {
       float* dst = part + r * part_ld + col;
-      __m256 o = _mm256_fmadd_ps(acc_lo[r][j], s_lo, _mm256_loadu_ps(dst));
-      o = _mm256_fmadd_ps(_mm256_set1_ps(sum_lo[r]), o_lo, o);
-      o = _mm256_fmadd_ps(acc_hi[r][j], s_hi, o);
-      _mm256_storeu_ps(dst, _mm256_fmadd_ps(_mm256_set1_ps(sum_hi[r]), o_hi, o));
+      __m256 o = _mm256_loadu_ps(dst);
+      if (HALF != 2) {
+        o = _mm256_fmadd_ps(acc_lo[r][j], s_lo, o);
+        o = _mm256_fmadd_ps(_mm256_set1_ps(sum_lo[r]), o_lo, o);
+      }
+      if (HALF != 1) {
+        o = _mm256_fmadd_ps(acc_hi[r][j], s_hi, o);
+        o = _mm256_fmadd_ps(_mm256_set1_ps(sum_hi[r]), o_hi, o);
+      }
+      _mm256_storeu_ps(dst, o);
     }
   }
 }
@@ -877,7 +881,9 @@ template <int R>
 void FewRange(const Problem& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float* part,
               int64_t part_ld) {
   const uint8_t* codes = static_cast<const uint8_t*>(p.values);
-  constexpr int J4 = R == 1 ? 4 : 2;  // 8 accumulators of 8 columns: lo and hi halves per row
+  // 8 accumulators of 8 columns: both halves of one row's 32 columns, of two rows' 16, or one
+  // half of three or four rows' 16 (the group's rows then read twice, the second time from cache)
+  constexpr int J4 = R == 1 ? 4 : 2;
   constexpr int J8 = R <= 2 ? 4 : 2;
   const int64_t width = c1 - c0, cols = 8 * (p.bits == 4 ? J4 : J8);
   for (int64_t a = r0; a < r1;) {
@@ -892,14 +898,17 @@ void FewRange(const Problem& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1, 
         }
         ahead = {codes + row * p.ld + col, p.ld, r1 - row};
       }
-      if (p.bits == 4) Int4FewSegment<R, J4>(p, c, a, b, g, part, part_ld, ahead);
+      if (p.bits == 4 && R > 2) {
+        Int4FewSegment<R, J4, 1>(p, c, a, b, g, part, part_ld, ahead);
+        Int4FewSegment<R, J4, 2>(p, c, a, b, g, part, part_ld, FewPrefetch{});
+      } else if (p.bits == 4) Int4FewSegment<R, J4>(p, c, a, b, g, part, part_ld, ahead);
       else Int8FewSegment<R, J8>(p, c, a, b, g, part, part_ld, ahead);
     }
     a = b;
   }
 }
 
-// y = x @ W for 1 .. kFewRowsMax2 rows of x (of int8 codes: kFewRowsMax2Int8; N a multiple of 32): each work item sums its range
+// y = x @ W for 1 .. kFewRowsMax2 rows of x (N a multiple of 32): each work item sums its range
 // of code rows over its columns into its own partial result [M, N]; those are added at the end.
 void FewRows(const Problem& p, ffi::ThreadPool& pool) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -1015,7 +1024,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   }
 #endif
 #if defined(JAXINFER_PANEL_AVX2)
-  if (p.m <= (p.bits == 8 ? kFewRowsMax2Int8 : kFewRowsMax2)) {
+  if (p.m <= kFewRowsMax2) {
     FewRows(p, pool);
     return ffi::Error::Success();
   }

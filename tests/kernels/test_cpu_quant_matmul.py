@@ -36,9 +36,10 @@ def _check(qw, m, dtype=jnp.float32):
     return err
 
 
-# 1 row: codes widened by shifts (AVX-512), 1 and 2 rows (int8 codes: up to 4): codes widened
-# from memory in registers (AVX2); 2: per row pair (AVX-512); 3 and more: panels, in tiles of 6 rows and a tail
-# (70 = 11 x 6 + 4); N = 320: a 64-column block beside the 256-column work item.
+# AVX-512: 1 row codes widened by shifts, 2 per row pair, 3 and more panels in tiles of 6 rows
+# and a tail (70 = 11 x 6 + 4); AVX2: 1 to 4 rows codes widened from memory in registers (3 and
+# 4 rows of int4 codes one half of the nibbles at a time), more panels. N = 320: a 64-column
+# block beside the 256-column work item.
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 70])
 @pytest.mark.parametrize("kind", ["int8 g32", "int8 channel", "int4 asym g32", "int4 sym g32",
                                   "int4 asym g64 f32 scales"])
@@ -53,13 +54,13 @@ def test_matches_reference(kind, m):
     assert _check(qw, m) < TOL
 
 
-# One row of x (with AVX2 and no AVX-512: up to two, four of int8 codes) is cut into blocks of up to 4096 columns
+# One row of x (with AVX2 and no AVX-512: up to four) is cut into blocks of up to 4096 columns
 # and, where that gives too few work items, ranges of code rows (at least 64 rows each, cut
 # inside a group where it falls there) whose partial rows are added at the end. K = 128: one range of rows, the 3 chunks of 64
 # columns in two blocks; K = 1536: two ranges of rows, 9 chunks as 4 + 4 + 1; K = 2112, N = 64:
 # ranges cut mid-group, one chunk; N = 32832: nine blocks and one range of rows (a wide LM
 # head's split); N = 96 (not a multiple of 64) takes the row-pair path.
-@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("k,n", [(128, 192), (1536, 576), (2112, 64), (64, 32832), (576, 96)])
 @pytest.mark.parametrize("kind", ["int4 asym", "int4 sym", "int8 g32", "int8 channel"])
 def test_few_row_work_splits(k, n, kind, m):
