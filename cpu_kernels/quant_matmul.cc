@@ -18,7 +18,7 @@
 // and reused from cache for the other row blocks. One row of x is cut differently (OneRow):
 // into blocks of up to 4096 columns, each walked forward row by row, and where that makes too
 // few items, into ranges of the code rows too, each summed into its own partial row (on a CPU
-// with AVX2 and no AVX-512, one or two rows: FewRows, the codes widened from memory). It is
+// with AVX2 and no AVX-512, one to four rows: FewRows, the codes widened from memory). It is
 // meant for the few rows of a decode step (a memory-bound product); many rows are faster
 // through a dense matmul.
 
@@ -876,7 +876,8 @@ void Int8FewSegment(const Problem& p, int64_t c, int64_t a, int64_t b, int64_t g
 }
 
 // Code rows [r0, r1), columns [c0, c1) of R rows of x, added into `part`: group by group, and
-// within a group 32 columns (16 for two int4 rows) at a time over the group's rows.
+// within a group 32 columns (16 from two rows of int4 codes, or three of int8) at a time over the
+// group's rows.
 template <int R>
 void FewRange(const Problem& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float* part,
               int64_t part_ld) {
