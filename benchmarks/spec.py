@@ -23,9 +23,10 @@ speculation off, vs speculation forced on at any size (the policy's batch rule o
 the uncalibrated budget of 64 tokens per step. `warmup()`
 compiles every shape and calibrates the policy's batch budget on this device; untimed passes
 warm the caches; configurations run interleaved `--reps` times and the fastest run of each
-counts, since the machine is shared. Its engine warms up 118 executables, which on Linux need
-about 65,500 memory mappings: raise `vm.max_map_count` above its default 65,530 first
-(`sudo sysctl -w vm.max_map_count=262144`; docs/performance.md says why).
+counts, since the machine is shared. Its engine warms up ~60 executables at `--batch 64`
+(~45,000 memory mappings on Linux, under the default `vm.max_map_count` of 65,530;
+docs/performance.md says why that matters). `--engine-arg` overrides the settings above too
+(e.g. `max_num_batched_tokens=128`).
 """
 
 from __future__ import annotations
@@ -164,8 +165,8 @@ def main() -> None:
 
     common = dict(page_size=16, num_pages=2048, max_num_seqs=max(args.batch, 8),
                   max_num_batched_tokens=256, max_model_len=1024,
-                  **({} if args.k is None else {"num_speculative_tokens": args.k}),
-                  **parse_engine_args(args.engine_arg))
+                  **({} if args.k is None else {"num_speculative_tokens": args.k}))
+    common.update(parse_engine_args(args.engine_arg))  # --engine-arg overrides the settings above
     caps = [int(c) for c in args.max_tokens.split(",")]
     sampling = dict(temperature=args.temperature, seed=0 if args.temperature > 0 else None)
     sp_off = {c: SamplingParams(max_tokens=c, **sampling, spec_decode=False) for c in caps}

@@ -19,8 +19,8 @@ through the proposer (`NgramProposer`) and the speculation policy (`SpecPolicy`)
 
 Each row's speed-up is over the decode phase (tokens after the first, which the prefill gives
 with or without speculation), in engine step time (the timed steps include the engine's host
-work around the device's). Its engine warms up ~120 executables, which on Linux need about
-65,500 memory mappings: raise `vm.max_map_count` above its default 65,530 first, as for spec.py.
+work around the device's). Its engine warms up ~60 executables (~45,000 memory mappings on
+Linux, under the default cap of 65,530: docs/performance.md, the last section).
 """
 
 from __future__ import annotations

@@ -122,7 +122,8 @@ def check_tp_hlo(model_dir: str, **engine_kwargs) -> None:
     engine, runner = llm.engine, llm.engine.runner
     mc = engine.model_config
     si = next(iter(warmup_step_inputs(engine.engine_config, engine.max_model_len,
-                                      buckets=engine.buckets)))  # the smallest (decode) bucket
+                                      buckets=engine.buckets,
+                                      bitmask_words=engine.bitmask_words)))  # the decode bucket
     compiled, _ = runner._prepare(si)  # the step's executable for this bucket, as execute runs it
     hlo = compiled.as_text()
     shapes = {}  # instruction name -> result dims

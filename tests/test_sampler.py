@@ -296,6 +296,15 @@ def test_logit_bias_and_allowed_mask():
         tokens = np.asarray(_sample(jnp.asarray(logits), md._replace(
             positions=jnp.full((num_rows,), position, jnp.int32))).token_ids)
         assert allowed[np.arange(num_rows), tokens].all()
+    # an all-ones mask (a step whose rows are all unconstrained) leaves logits and draws as
+    # they are without one
+    ones = _md(num_rows, temperature=3.0, seeds=np.arange(num_rows),
+               allowed_token_bitmask=np.full((num_rows, 3), -1, np.int32))
+    none = ones._replace(allowed_token_bitmask=None)
+    np.testing.assert_array_equal(np.asarray(_adjust_logits(jnp.asarray(logits), ones)),
+                                  np.asarray(_adjust_logits(jnp.asarray(logits), none)))
+    np.testing.assert_array_equal(np.asarray(_sample(jnp.asarray(logits), ones).token_ids),
+                                  np.asarray(_sample(jnp.asarray(logits), none).token_ids))
 
 
 def test_logprobs_are_raw_log_softmax():

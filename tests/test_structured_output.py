@@ -117,7 +117,7 @@ def test_bitmask_enters_the_step_as_the_matcher_computes_it(tiny_llm):
     try:
         sched_out = engine.scheduler.schedule()
         si = make_step_input(sched_out, engine.engine_config, engine.max_model_len,
-                             buckets=engine.buckets)
+                             buckets=engine.buckets, bitmask_words=engine.bitmask_words)
         reference = engine.grammars.request_grammar(so).bitmask()  # i32[W]
         words = -(-engine.vocab_size // 32)
         assert si.allowed_token_bitmask.shape == (si.seeds.shape[0], words)
@@ -133,9 +133,24 @@ def test_bitmask_enters_the_step_as_the_matcher_computes_it(tiny_llm):
     finally:
         engine.abort_request("bm-a")
         engine.abort_request("bm-b")
-    unconstrained = make_step_input(engine.scheduler.schedule(), engine.engine_config,
-                                    engine.max_model_len, buckets=engine.buckets)
-    assert unconstrained.allowed_token_bitmask is None
+    # a step with no constrained request carries an all-ones mask in the same layout (one
+    # executable for both); without words to give (no structured output), none
+    for rid in ("bm-c", "bm-d"):  # the constrained step's shape: two prompts of "Hello"
+        engine.add_request(rid, "Hello", SamplingParams(temperature=0.0, max_tokens=8))
+    try:
+        sched_out = engine.scheduler.schedule()
+        free = make_step_input(sched_out, engine.engine_config, engine.max_model_len,
+                               buckets=engine.buckets, bitmask_words=engine.bitmask_words)
+        assert free.shape == si.shape
+        assert free.allowed_token_bitmask.shape == si.allowed_token_bitmask.shape
+        assert (free.allowed_token_bitmask == -1).all()
+        assert free.pack()[1] == si.pack()[1]
+        bare = make_step_input(sched_out, engine.engine_config, engine.max_model_len,
+                               buckets=engine.buckets)
+        assert bare.allowed_token_bitmask is None
+    finally:
+        engine.abort_request("bm-c")
+        engine.abort_request("bm-d")
 
 
 def test_no_compiles_after_warmup(tiny_llama_dir):

@@ -114,6 +114,9 @@ class LLMEngine:
         self._host_runs_steps = jax.default_backend() == "cpu"  # the step's cores are the host's
         self.grammars = GrammarCompiler(self.tokenizer.hf_tokenizer, self.model_config.vocab_size,
                                         eos_ids)
+        # every step carries an allowed-token bitmask of this many words (all ones unless a
+        # request is constrained): one executable a shape serves both kinds of step
+        self.bitmask_words = bitmask_words(self.model_config.vocab_size)
         not_pallas = self.runner.attention_backend != "pallas"
         self.buckets = StepBuckets.coarse(self.engine_config, self.max_model_len,
                                           exact_verify=not_pallas, intermediate=not_pallas)
@@ -328,7 +331,7 @@ class LLMEngine:
 
     def _step_input(self, sched_out: SchedulerOutput):
         return make_step_input(sched_out, self.engine_config, self.max_model_len,
-                               buckets=self.buckets)
+                               buckets=self.buckets, bitmask_words=self.bitmask_words)
 
     def _start(self, sched_out: SchedulerOutput, step_input) -> None:
         """Starts a step (the device runs it while the host goes on): the in-flight step."""
@@ -361,7 +364,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         step_inputs = list(warmup_step_inputs(self.engine_config, self.max_model_len,
                                               buckets=self.buckets,
-                                              bitmask_words=bitmask_words(self.vocab_size)))
+                                              bitmask_words=self.bitmask_words))
         num_threads = min(4, os.cpu_count() or 1)
         total = len(step_inputs)
         chunk = max(2 * num_threads, -(-total // 10))  # each chunk overlaps on num_threads
@@ -392,7 +395,8 @@ class LLMEngine:
         real rows only on the CPU), though they touch only the null page."""
         seconds: dict[int, float] = {}
         for num_tokens, si in calibration_step_inputs(self.engine_config, self.max_model_len,
-                                                      buckets=self.buckets):
+                                                      buckets=self.buckets,
+                                                      bitmask_words=self.bitmask_words):
             self.runner.execute(si)  # compiled, and caches warm
             best = math.inf
             for _ in range(CALIBRATION_REPEATS):

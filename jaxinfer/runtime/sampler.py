@@ -110,8 +110,11 @@ def adjust_logits(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     """
     num_rows, vocab_size = logits.shape
     if md.allowed_token_bitmask is not None:
-        allowed = _unpack_bitmask(md.allowed_token_bitmask, vocab_size)
-        logits = jnp.where(allowed, logits, -jnp.inf)
+        bitmask = md.allowed_token_bitmask  # i32[R, W]; all ones in a step with no constraint
+        logits = jax.lax.cond(
+            jnp.any(bitmask != -1),
+            lambda lg: jnp.where(_unpack_bitmask(bitmask, vocab_size), lg, -jnp.inf),
+            lambda lg: lg, logits)
     if (md.bias_token_ids is None) != (md.bias_values is None):
         raise ValueError("bias_token_ids and bias_values must be given together")
     if md.bias_token_ids is not None:

@@ -117,7 +117,10 @@ _ARRAY_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_q_lens", "kv_lens
 
 # -- building -------------------------------------------------------------------------------
 def make_step_input(sched_out: SchedulerOutput, engine_config: EngineConfig, max_model_len: int,
-                    *, buckets: StepBuckets | None = None) -> StepInput:
+                    *, buckets: StepBuckets | None = None, bitmask_words: int = 0) -> StepInput:
+    """The step of `sched_out` in its shape bucket. `bitmask_words` W > 0 (an engine that takes
+    constrained requests): every step carries an allowed-token bitmask i32[R, W], all ones where
+    no request is constrained, so one executable per shape serves both (`with_bitmask`)."""
     buckets = buckets or StepBuckets.from_config(engine_config, max_model_len)
     items = sched_out.scheduled
     pages_per_seq = max((len(it.request.page_ids) for it in items), default=1)  # P bucket >= this
@@ -132,6 +135,7 @@ def make_step_input(sched_out: SchedulerOutput, engine_config: EngineConfig, max
     si.sample_positions[:si.num_rows] = si.positions[si.logits_indices[:si.num_rows]] + 1
     _fill_sampling(si, sched_out, rows)
     _fill_optional(si, sched_out, rows)
+    with_bitmask(si, bitmask_words)
     if any(it.spec_token_ids for it in items):
         _fill_spec(si, items, rows, engine_config.num_speculative_tokens)
     if any(it.num_prompt_rows for it in items):
@@ -194,8 +198,8 @@ def warmup_step_inputs(engine_config: EngineConfig, max_model_len: int, *,
                        bitmask_words: int = 0) -> Iterator[StepInput]:
     """One all-padding StepInput per shape bucket (compiling each touches only the null page);
     with speculation also each verifying layout (R = S, and R = T where T > S). `bitmask_words`
-    W > 0: each also once more with an all-ones allowed-token bitmask i32[R, W] (the layout of a
-    step with a constrained request)."""
+    W > 0: each with an all-ones allowed-token bitmask i32[R, W], as make_step_input gives every
+    step then."""
     buckets = buckets or StepBuckets.from_config(engine_config, max_model_len)
     method, k = engine_config.speculative_method, engine_config.num_speculative_tokens
     for shape in buckets.all_shapes():
@@ -209,10 +213,17 @@ def warmup_step_inputs(engine_config: EngineConfig, max_model_len: int, *,
                 _verify_nothing(si, k)
             if method == "draft":
                 _fill_draft(si, [], _Rows([]), engine_config.max_num_seqs)
-            yield si
-            if bitmask_words:
-                yield dataclasses.replace(si, allowed_token_bitmask=np.full(
-                    (si.seeds.shape[0], bitmask_words), -1, np.int32))
+            yield with_bitmask(si, bitmask_words)
+
+
+def with_bitmask(si: StepInput, bitmask_words: int) -> StepInput:
+    """`si` (in place) with an all-ones allowed-token bitmask i32[R, W] where it has none and
+    W = `bitmask_words` > 0: the layout every step of an engine that takes constrained requests
+    has, so a step with one compiles to the same executable as a step without (the sampler
+    applies the mask only where a row's has a zero bit: runtime/sampler.py)."""
+    if bitmask_words and si.allowed_token_bitmask is None:
+        si.allowed_token_bitmask = np.full((si.seeds.shape[0], bitmask_words), -1, np.int32)
+    return si
 
 
 def _verify_nothing(si: StepInput, k: int) -> None:
@@ -226,14 +237,16 @@ def _verify_nothing(si: StepInput, k: int) -> None:
 
 
 def calibration_step_inputs(engine_config: EngineConfig, max_model_len: int, *,
-                            buckets: StepBuckets | None = None) -> Iterator[tuple[int, StepInput]]:
+                            buckets: StepBuckets | None = None,
+                            bitmask_words: int = 0) -> Iterator[tuple[int, StepInput]]:
     """(t, a step of t real tokens) for the step times the speculation policy weighs
     (`LLMEngine.calibrate_speculation`): one sequence of t = 1 .. K + 1 tokens, each a sampled
     row (a single stream verifying t - 1 drafts, in that step's layout), then each larger token
     bucket T full, its T tokens spread over its sequences (a batch or a prefill). The tokens are
     real to the step, so it costs what a step of t tokens does (the CPU's quantized matmuls skip
     the padding rows after them: `ops.quantized_matmul`'s num_rows), but they write and read only
-    the null page, as padding does. Their input ids are 0."""
+    the null page, as padding does. Their input ids are 0. `bitmask_words`: as
+    warmup_step_inputs (the warmed-up layouts)."""
     buckets = buckets or StepBuckets.from_config(engine_config, max_model_len)
     method, k = engine_config.speculative_method, engine_config.num_speculative_tokens
     largest_seqs = engine_config.max_num_seqs
@@ -252,7 +265,7 @@ def calibration_step_inputs(engine_config: EngineConfig, max_model_len: int, *,
         if method == "draft":
             _fill_draft(si, [], _Rows([]), largest_seqs)
         _real_tokens_on_the_null_page(si, q_lens, rows)
-        yield t, si
+        yield t, with_bitmask(si, bitmask_words)
 
 
 def _real_tokens_on_the_null_page(si: StepInput, q_lens: np.ndarray, rows: int) -> None:

@@ -138,7 +138,7 @@ def test_warmup_logs_its_progress(caplog):
     runner = _StubRunner()
     engine = types.SimpleNamespace(engine_config=config, max_model_len=256, runner=runner,
                                    buckets=StepBuckets.coarse(config, 256), spec_policy=None,
-                                   vocab_size=384)
+                                   vocab_size=384, bitmask_words=12)
     caplog.set_level(logging.INFO, logger="jaxinfer.engine")
     LLMEngine.warmup(engine)
     total = len(runner.compiled)
