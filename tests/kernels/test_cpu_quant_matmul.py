@@ -38,9 +38,10 @@ def _check(qw, m, dtype=jnp.float32):
 
 # AVX-512: 1 row codes widened by shifts, 2 per row pair, 3 and more panels in tiles of 6 rows
 # and a tail (70 = 11 x 6 + 4); AVX2: 1 to 4 rows codes widened from memory in registers (3 and
-# 4 rows of int4 codes one half of the nibbles at a time), more panels. N = 320: a 64-column
-# block beside the 256-column work item.
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 9, 70])
+# 4 rows of int4 codes one half of the nibbles at a time), more panels in tiles of 6 rows and a
+# tail (7 = 6 + 1, 8 = 6 + 2, 9 = 6 + 3, 13 = 2 x 6 + 1). N = 320: a 64-column block beside the
+# 256-column work item.
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 9, 13, 70])
 @pytest.mark.parametrize("kind", ["int8 g32", "int8 channel", "int4 asym g32", "int4 sym g32",
                                   "int4 asym g64 f32 scales"])
 def test_matches_reference(kind, m):
