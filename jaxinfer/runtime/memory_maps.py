@@ -1,10 +1,11 @@
 """Room for more executables under the kernel's cap on a process's memory mappings.
 
 XLA:CPU maps the code, constants and data of each kernel of an executable as separate pages: a
-SmolLM2 step (30 unrolled layers, ~185 kernels) takes ~555 mappings, compiled or loaded from a
-cache alike. Linux caps a process's mappings (`vm.max_map_count`, 65,530 by default); past the
-cap LLVM cannot allocate and the process dies in a segfault. An engine with many shape buckets
-reaches it: n-gram speculation with 64 sequences warms up 118 executables (~65,500 mappings).
+SmolLM2 step (30 unrolled layers) takes ~750 mappings, compiled or loaded from a cache alike.
+Linux caps a process's mappings (`vm.max_map_count`, 65,530 by default); past the cap LLVM
+cannot allocate and the process dies in a segfault. An engine with many shape buckets can reach
+it: n-gram speculation with 32 sequences warms up 55 executables (~41,000 mappings), twice that
+before every step carried the structured-output bitmask (docs/performance.md).
 
 So the runner measures what its executables take and checks, before it prepares more, that they
 fit; if not it raises an error that names the limit and the ways out, instead of crashing
