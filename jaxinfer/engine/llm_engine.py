@@ -331,7 +331,7 @@ class LLMEngine:
 
     def _step_input(self, sched_out: SchedulerOutput):
         return make_step_input(sched_out, self.engine_config, self.max_model_len,
-                               buckets=self.buckets, bitmask_words=0 if __import__("os").environ.get("AB_NOMASK") else self.bitmask_words)
+                               buckets=self.buckets, bitmask_words=self.bitmask_words)
 
     def _start(self, sched_out: SchedulerOutput, step_input) -> None:
         """Starts a step (the device runs it while the host goes on): the in-flight step."""
