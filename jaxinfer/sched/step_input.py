@@ -220,7 +220,7 @@ def with_bitmask(si: StepInput, bitmask_words: int) -> StepInput:
     """`si` (in place) with an all-ones allowed-token bitmask i32[R, W] where it has none and
     W = `bitmask_words` > 0: the layout every step of an engine that takes constrained requests
     has, so a step with one compiles to the same executable as a step without (the sampler
-    applies the mask only where a row's has a zero bit: runtime/sampler.py)."""
+    takes its masked paths only where some word has a zero bit: runtime/sampler.py)."""
     if bitmask_words and si.allowed_token_bitmask is None:
         si.allowed_token_bitmask = np.full((si.seeds.shape[0], bitmask_words), -1, np.int32)
     return si
@@ -374,8 +374,7 @@ def _fill_bitmask(si: StepInput, items, rows: _Rows) -> None:
     j gets the mask after its drafts before j (as if accepted: what the step verifies against);
     otherwise one mask, shared by the prompt-logprob rows and the sampled row."""
     grammars = [it.request.grammar for it in items]
-    num_words = next(g.num_words for g in grammars if g is not None)
-    si.allowed_token_bitmask = np.full((si.seeds.shape[0], num_words), -1, np.int32)
+    with_bitmask(si, next(g.num_words for g in grammars if g is not None))
     for i, g in enumerate(grammars):
         if g is None:
             continue
